@@ -1,0 +1,1 @@
+"""Framework adapters, imported as ``ckptrun.adapters.<name>``."""

@@ -1,0 +1,31 @@
+"""ckptrun: a drop-in ``torchrun`` that keeps an in-memory checkpoint of every iteration.
+
+Worker-side API (see DESIGN §2)::
+
+    import ckptrun
+    ckpt = ckptrun.Checkpointer({"model": model, "optim": optimizer})
+    start = ckpt.restore()
+    for step in range(start, total):
+        train_one_step()
+        ckpt.save(step + 1)
+    ckpt.close()
+
+Names are imported lazily so that ``ckptrun status`` does not pay for ``import torch``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["Checkpointer", "heartbeat", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "Checkpointer":
+        from ckptrun.checkpointer import Checkpointer
+
+        return Checkpointer
+    if name == "heartbeat":
+        from ckptrun.heartbeat import heartbeat
+
+        return heartbeat
+    raise AttributeError(f"module 'ckptrun' has no attribute {name!r}")

@@ -1,0 +1,45 @@
+"""Worker-side liveness: ``ckptrun.heartbeat()`` and the link to the agent's control block.
+
+Under the ckptrun agent the worker's environment names the node's control block
+(``CKPTRUN_CONTROL``); a heartbeat is a couple of struct writes into shared memory.
+Outside ckptrun (plain ``python`` or ``torchrun``) every function here is a cheap no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+from ckptrun.protocol import ENV_CONTROL, ControlBlock, Phase
+
+_link: Optional[Tuple[ControlBlock, int]] = None
+_looked = False
+
+
+def worker_link() -> Optional[Tuple[ControlBlock, int]]:
+    """The (control block, local rank) of this worker, or None when not under ckptrun."""
+    global _link, _looked
+    if _looked and (_link is None or _link[0].path == os.environ.get(ENV_CONTROL)):
+        return _link
+    _looked = True
+    path = os.environ.get(ENV_CONTROL)
+    if not path:
+        _link = None
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    block = ControlBlock(path)
+    block.set(local_rank, "pid", os.getpid())
+    _link = (block, local_rank)
+    return _link
+
+
+def heartbeat(step: Optional[int] = None, phase: Optional[int] = None) -> None:
+    """Tell the agent this worker is alive (call it during long phases with no ``save()``).
+
+    ``step`` optionally reports progress; ``phase`` is one of :class:`ckptrun.protocol.Phase`.
+    """
+    link = worker_link()
+    if link is None:
+        return
+    block, local_rank = link
+    block.beat(local_rank, step=step, phase=Phase.RUNNING if phase is None else phase)
