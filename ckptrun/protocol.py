@@ -81,6 +81,9 @@ _FIELDS = {
     "restored_step": (88, "q"),  # step restore() returned (-1 before restore())
     "restore_s": (96, "d"),
     "state_bytes": (104, "q"),
+    # Non-zero: the worker hit a configuration error (e.g. /dev/shm too small) that a
+    # restart cannot fix; the agent stops the job with exit code 2 instead of restarting.
+    "fatal": (112, "i"),
 }
 
 
