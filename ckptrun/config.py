@@ -1,0 +1,65 @@
+"""The agent's configuration: what ``args.py`` builds from the command line and ``agent.py`` runs.
+
+Kept apart from both so the parser and the supervisor can be written and tested separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+
+@dataclass
+class AgentConfig:
+    """Everything one ``ckptrun`` agent needs to launch and supervise its node's workers."""
+
+    # --- what to run (torchrun semantics) ---------------------------------------------
+    script: str  # training script path, module name (module=True) or program (no_python=True)
+    script_args: List[str] = field(default_factory=list)
+    module: bool = False  # -m/--module
+    no_python: bool = False  # --no-python: exec the program directly
+    run_path: bool = False  # --run-path
+    use_env: bool = True  # False: pass --local-rank=<n> like torchrun without --use-env
+
+    # --- topology and rendezvous (torchrun semantics) ---------------------------------
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_id: str = "none"
+    rdzv_configs: Dict[str, object] = field(default_factory=dict)
+    standalone: bool = False
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    local_addr: Optional[str] = None
+    role: str = "default"
+
+    # --- supervision (torchrun semantics, ckptrun defaults) ----------------------------
+    max_restarts: int = 10  # counted for the whole job, all nodes together
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    shutdown_timeout: float = 5.0  # grace between SIGTERM and SIGKILL when stopping workers
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+    # --- logs (torchrun semantics) ------------------------------------------------------
+    log_dir: Optional[str] = None
+    redirects: str = "0"  # torchrun Std spec: 0 none, 1 stdout, 2 stderr, 3 both, or "0:1,1:2"
+    tee: str = "0"
+    local_ranks_filter: Optional[Set[int]] = None
+
+    # --- ckptrun's own options -----------------------------------------------------------
+    run_dir: str = ""  # resolved by args.py: ckptrun-runs/<run-id> by default
+    persist_to: str = ""  # fsspec URL; default <run-dir>/checkpoints
+    persist_every_steps: Optional[int] = None  # exactly one of these two is set
+    persist_every_seconds: Optional[float] = 600.0
+    keep: int = 3
+    replicas: int = 2
+    hang_timeout: Optional[float] = None  # None = auto
+    resume_from: Optional[str] = None
+    num_slots: int = 3
+
+    @property
+    def nnodes_fixed(self) -> bool:
+        return self.min_nodes == self.max_nodes
