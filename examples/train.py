@@ -1,0 +1,104 @@
+"""A small, deterministic DDP training job that uses ckptrun's Python API.
+
+Runs unchanged under ``ckptrun``, ``torchrun`` or plain ``python``::
+
+    ckptrun --standalone --nproc-per-node 2 examples/train.py --steps 60
+    ckptrun --standalone --nproc-per-node 2 examples/train.py --steps 60 --crash-at 25
+
+``--crash-at N`` kills rank ``--crash-rank`` with SIGKILL after step N, ``--hang-at N`` stops it
+with SIGSTOP, ``--raise-at N`` raises an exception -- each only in the first attempt, so the
+restarted job runs through.  ``--out FILE`` writes the final weights (rank 0) so a run with
+failures can be compared bitwise with one without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ckptrun
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(),
+        nn.Dropout(0.1), nn.Linear(64, 1),
+    )
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic data that depends only on (step, rank): exact resume needs no data state."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 32, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def inject_failure(args: argparse.Namespace, step: int, rank: int) -> None:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or rank != args.crash_rank:
+        return
+    if step == args.crash_at:
+        print(f"[demo] rank {rank}: injecting SIGKILL after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if step == args.hang_at:
+        print(f"[demo] rank {rank}: injecting a hang (SIGSTOP) after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if step == args.raise_at:
+        raise RuntimeError(f"injected failure after step {step}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--crash-at", type=int, default=-1)
+    p.add_argument("--hang-at", type=int, default=-1)
+    p.add_argument("--raise-at", type=int, default=-1)
+    p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+
+    model = build_model()
+    ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
+    optim = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=20, gamma=0.5)
+    torch.manual_seed(1 + rank)  # per-rank dropout stream; captured in every snapshot
+
+    ckpt = ckptrun.Checkpointer({"model": model, "optim": optim, "sched": sched})
+    start = ckpt.restore()
+    if start:
+        print(f"[demo] rank {rank}: resumed at step {start}", flush=True)
+    for step in range(start, args.steps):
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        ckpt.save(step + 1)
+        if rank == 0 and (step + 1) % 10 == 0:
+            print(f"[demo] step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
+        if args.step_time:
+            time.sleep(args.step_time)
+        inject_failure(args, step + 1, rank)
+    ckpt.close()
+
+    if args.out and rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
