@@ -1,0 +1,120 @@
+"""Unit tests for ckptrun.events: the event log, its reader and atomic JSON writes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import stat
+import time
+
+import pytest
+
+from ckptrun.events import EVENTS_FILE, EventLog, read_events, read_json, write_json_atomic
+
+
+def test_emit_appends_one_json_line(tmp_path):
+    log = EventLog(str(tmp_path / "run"))
+    before = time.time()
+    rec = log.emit("start", nnodes=1, nproc_per_node=2)
+    log.emit("worker_failed", rank=1, exit_code=-9)
+    log.close()
+    assert rec["event"] == "start" and rec["nnodes"] == 1
+    assert isinstance(rec["time"], float) and rec["time"] >= before
+    lines = (tmp_path / "run" / EVENTS_FILE).read_text().splitlines()
+    assert len(lines) == 2
+    assert json.loads(lines[1]) == {
+        "time": json.loads(lines[1])["time"], "event": "worker_failed", "rank": 1, "exit_code": -9
+    }
+
+
+def test_modes_are_owner_only(tmp_path):
+    run_dir = tmp_path / "a" / "run"
+    with EventLog(str(run_dir)) as log:
+        log.emit("start", nnodes=1, nproc_per_node=1)
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(run_dir / EVENTS_FILE).st_mode) == 0o600
+
+
+def test_fields_cannot_override_time_and_event_and_odd_values_are_stringified(tmp_path):
+    log = EventLog(str(tmp_path))
+    rec = log.emit("persisted", time="x", url=tmp_path, step=3)
+    assert rec["event"] == "persisted" and isinstance(rec["time"], float)
+    assert read_events(str(tmp_path))[0]["url"] == str(tmp_path)
+
+
+def test_emit_after_close_raises(tmp_path):
+    log = EventLog(str(tmp_path))
+    log.close()
+    with pytest.raises(ValueError):
+        log.emit("start")
+
+
+def test_reopening_appends(tmp_path):
+    EventLog(str(tmp_path)).emit("start", nnodes=1, nproc_per_node=1)
+    EventLog(str(tmp_path)).emit("finished", exit_code=0)
+    assert [e["event"] for e in read_events(str(tmp_path))] == ["start", "finished"]
+
+
+def test_read_events_missing_dir_is_empty(tmp_path):
+    assert read_events(str(tmp_path / "nope")) == []
+
+
+def test_read_events_tolerates_torn_last_line_and_garbage(tmp_path):
+    log = EventLog(str(tmp_path))
+    log.emit("start", nnodes=1, nproc_per_node=1)
+    log.emit("restart", attempt=1)
+    with open(tmp_path / EVENTS_FILE, "a") as f:
+        f.write("[1, 2]\n")  # valid JSON but not an event object
+        f.write('{"time": 1.0, "event": "hang_det')  # writer killed mid-line
+    assert [e["event"] for e in read_events(str(tmp_path))] == ["start", "restart"]
+
+
+def _writer(run_dir: str, who: int, n: int) -> None:
+    log = EventLog(run_dir)
+    for i in range(n):
+        log.emit("replicated", who=who, i=i, pad="x" * 2000)
+    log.close()
+
+
+def test_concurrent_writers_never_interleave(tmp_path):
+    n, procs = 200, 3
+    ps = [multiprocessing.Process(target=_writer, args=(str(tmp_path), w, n)) for w in range(procs)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+    lines = (tmp_path / EVENTS_FILE).read_text().splitlines()
+    assert len(lines) == n * procs
+    events = [json.loads(line) for line in lines]  # every line parses: nothing interleaved
+    for w in range(procs):
+        assert [e["i"] for e in events if e["who"] == w] == list(range(n))
+
+
+def test_write_json_atomic(tmp_path):
+    path = tmp_path / "status.json"
+    write_json_atomic(str(path), {"state": "running", "step": 1})
+    write_json_atomic(str(path), {"state": "succeeded"})
+    assert read_json(str(path)) == {"state": "succeeded"}
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temp file left
+
+
+def test_write_json_atomic_failure_leaves_old_file(tmp_path):
+    path = tmp_path / "status.json"
+    write_json_atomic(str(path), {"ok": 1})
+
+    class Boom:
+        def __str__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_json_atomic(str(path), {"bad": Boom()})
+    assert read_json(str(path)) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+
+def test_read_json_missing_or_invalid(tmp_path):
+    assert read_json(str(tmp_path / "none.json")) is None
+    (tmp_path / "bad.json").write_text("{")
+    assert read_json(str(tmp_path / "bad.json")) is None
