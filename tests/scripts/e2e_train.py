@@ -1,0 +1,65 @@
+"""The demo job (examples/train.py) plus test-only failure injection.
+
+``--corrupt-at N``: after step N (first attempt, the crash rank) flip one byte in the data of
+every committed slot of this rank, then SIGKILL -- no memory copy of this rank verifies, so the
+restore must come from storage.  ``--kill-agent-at N``: SIGKILL the agent (the parent process)
+after step N.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+import train  # noqa: E402  (examples/train.py)
+
+from ckptrun.protocol import ENV_SLOT_PREFIX, SlotHeader, SlotState, open_shm_file  # noqa: E402
+
+
+def corrupt_own_slots() -> int:
+    n = 0
+    for path in glob.glob(os.environ[ENV_SLOT_PREFIX] + "*"):
+        mm = open_shm_file(path)
+        h = SlotHeader.unpack_from(mm)
+        if h.state == SlotState.COMMITTED and h.data_len:
+            pos = h.data_offset + h.data_len // 2
+            mm[pos] = mm[pos] ^ 0xFF
+            n += 1
+        mm.close()
+    return n
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = {"--corrupt-at": -1, "--kill-agent-at": -1}
+    for flag in extra:
+        if flag in argv:
+            i = argv.index(flag)
+            extra[flag] = int(argv[i + 1])
+            del argv[i : i + 2]
+    sys.argv = [sys.argv[0], *argv]
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    original = train.inject_failure
+
+    def inject(args, step: int, rank: int) -> None:
+        original(args, step, rank)
+        if not first_attempt or rank != args.crash_rank:
+            return
+        if step == extra["--corrupt-at"]:
+            print(f"[test] rank {rank}: corrupted {corrupt_own_slots()} slots", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == extra["--kill-agent-at"]:
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)  # the agent's death must take this worker with it
+
+    train.inject_failure = inject
+    train.main()
+
+
+if __name__ == "__main__":
+    main()
