@@ -1,0 +1,192 @@
+"""The replica server an agent runs, and the client operations other agents call on it.
+
+``ReplicaServer`` accepts authenticated connections (see ``replication.py``) and serves three
+operations: ``put`` (store a peer's snapshot in this agent's :class:`PeerStore`), ``fetch``
+(stream a held copy back, for a replacement machine) and ``list`` (which ranks and steps are
+held).  One operation per connection keeps the server stateless.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+from ckptrun import protocol as P
+from ckptrun.replication import (
+    AuthError,
+    PeerStore,
+    connect,
+    receive_slot,
+    recv_frame,
+    send_frame,
+    send_stream,
+    server_handshake,
+    slot_regions,
+)
+
+log = logging.getLogger("ckptrun.replication")
+
+
+class ReplicaServer:
+    """Listens on ``host`` (the address the node uses for the rendezvous) for peer agents."""
+
+    def __init__(self, host: str, secret: bytes, store: PeerStore,
+                 on_refused: Optional[Callable[[str], None]] = None,
+                 on_received: Optional[Callable[[int, int, int, float], None]] = None):
+        self.store = store
+        self._secret = secret
+        self._on_refused = on_refused
+        self._on_received = on_received
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(16)
+        self.address: Tuple[str, int] = self._sock.getsockname()[:2]
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="ckptrun-replica-server",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name="ckptrun-replica-conn").start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        conn.settimeout(30.0)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            node = server_handshake(conn, self._secret)
+        except (AuthError, ConnectionError, ValueError, OSError) as e:
+            log.warning("refused replica connection from %s: %s", peer, e)
+            if self._on_refused:
+                self._on_refused(f"{peer[0]}:{peer[1]}")
+            conn.close()
+            return
+        try:
+            req = recv_frame(conn)
+            op = req.get("op")
+            if op == "put":
+                self._put(conn, node, req)
+            elif op == "fetch":
+                self._fetch(conn, req)
+            elif op == "list":
+                send_frame(conn, {"ok": True, "ranks": {str(r): s for r, s in
+                                                        self.store.holdings().items()}})
+            else:
+                send_frame(conn, {"ok": False, "error": f"unknown op {op!r}"})
+        except (ConnectionError, OSError, ValueError, KeyError) as e:
+            log.warning("replica connection from %s broke: %s", node, e)
+        finally:
+            conn.close()
+
+    def _put(self, conn: socket.socket, node: str, req: dict) -> None:
+        rank = int(req["rank"])
+        path = self.store.incoming_path(rank)
+        if path is None:  # a transfer of this rank is already in flight: the sender retries later
+            send_frame(conn, {"ok": False, "error": "busy"})
+            return
+        try:
+            send_frame(conn, {"ok": True})
+            t0 = time.monotonic()
+            ok = receive_slot(conn, path, req)
+            send_frame(conn, {"ok": ok})
+            if ok and self._on_received:
+                self._on_received(rank, int(req["step"]),
+                                  int(req["meta_len"]) + int(req["data_len"]),
+                                  time.monotonic() - t0)
+        finally:
+            self.store.done(rank)
+
+    def _fetch(self, conn: socket.socket, req: dict) -> None:
+        rank = int(req["rank"])
+        got = self.store.latest(rank)
+        if got is None or (req.get("step") is not None and got[0] != int(req["step"])):
+            send_frame(conn, {"ok": False, "error": "not held"})
+            return
+        _stream_slot_file(conn, got[1], rank)
+
+
+def _stream_slot_file(conn: socket.socket, path: str, rank: int,
+                      rate_bps: Optional[float] = None, op: Optional[str] = None) -> Optional[int]:
+    """Announce and stream the committed slot at ``path``; returns bytes sent or None."""
+    mm = P.open_shm_file(path, write=False)
+    try:
+        h, regions = slot_regions(mm)
+        if h.state != P.SlotState.COMMITTED:
+            send_frame(conn, {"ok": False, "error": "not committed"})
+            return None
+        announce = {"ok": True, "rank": rank, "step": h.step, "meta_len": h.meta_len,
+                    "data_len": h.data_len, "checksum": h.checksum, "world_size": h.world_size}
+        if op:
+            announce["op"] = op
+        send_frame(conn, announce)
+        if op and not recv_frame(conn).get("ok"):
+            return None
+
+        def unchanged() -> bool:
+            now = P.SlotHeader.unpack_from(mm)
+            return (now.state, now.step, now.seq) == (h.state, h.step, h.seq)
+
+        sent = send_stream(conn, regions, rate_bps, unchanged)
+        del regions
+        return sent
+    finally:
+        mm.close()
+
+
+def push(addr: Tuple[str, int], secret: bytes, node: str, rank: int, src_path: str,
+         rate_bps: Optional[float] = None) -> Optional[dict]:
+    """Send the committed snapshot in ``src_path`` (rank ``rank``) to the agent at ``addr``.
+
+    Returns ``{"step", "bytes", "seconds"}`` once the receiver verified and committed it, or
+    None when there was nothing committed to send, the receiver was busy, or the copy failed.
+    """
+    t0 = time.monotonic()
+    with connect(addr, secret, node) as sock:
+        sock.settimeout(60.0)
+        mm = P.open_shm_file(src_path, write=False)
+        try:
+            step = P.SlotHeader.unpack_from(mm).step
+        finally:
+            mm.close()
+        sent = _stream_slot_file(sock, src_path, rank, rate_bps, op="put")
+        if sent is None or not recv_frame(sock).get("ok"):
+            return None
+    return {"step": step, "bytes": sent, "seconds": time.monotonic() - t0}
+
+
+def fetch(addr: Tuple[str, int], secret: bytes, node: str, rank: int, dst_path: str,
+          step: Optional[int] = None) -> Optional[int]:
+    """Pull the copy of ``rank`` held at ``addr`` into slot file ``dst_path``; returns its step."""
+    with connect(addr, secret, node) as sock:
+        sock.settimeout(60.0)
+        send_frame(sock, {"op": "fetch", "rank": rank, "step": step})
+        info = recv_frame(sock)
+        if not info.get("ok"):
+            return None
+        return int(info["step"]) if receive_slot(sock, dst_path, info) else None
+
+
+def holdings(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, int]:
+    """{rank: step} of the copies the agent at ``addr`` holds."""
+    with connect(addr, secret, node) as sock:
+        send_frame(sock, {"op": "list"})
+        reply = recv_frame(sock)
+    return {int(r): int(s) for r, s in reply.get("ranks", {}).items()}
