@@ -344,7 +344,10 @@ def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) ->
                     buf = f.read(e["length"])
                     if len(buf) != e["length"]:
                         raise StorageError(f"{path}: truncated at {e['key']}")
-                    t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+                    try:
+                        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+                    except (RuntimeError, ValueError, EOFError) as err:  # torn or foreign bytes
+                        raise StorageError(f"{path}: corrupt entry {e['key']}: {_one_line(err)}") from err
                     if (not isinstance(t, torch.Tensor) or list(t.shape) != e["shape"]
                             or t.dtype != _dtype(e["dtype"])):
                         raise StorageError(f"{path}: {e['key']} does not match the index")
