@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     for opt, metavar, text in _OWN_OPTIONS:
         dest = opt[2:].replace("-", "_")
         default = os.environ.get("CKPTRUN_" + dest.upper()) or _OWN_DEFAULTS.get(dest)
-        group.add_argument(opt, opt.replace("-", "_").replace("__", "--"), dest=dest,
-                           metavar=metavar, default=default, help=text)
+        spellings = dict.fromkeys([opt, "--" + dest])  # --run-dir and --run_dir
+        group.add_argument(*spellings, dest=dest, metavar=metavar, default=default, help=text)
     parser.add_argument("--version", action="version", version=f"ckptrun {__version__}")
     _apply_pet_env(parser)
     return parser
