@@ -1,0 +1,330 @@
+"""``ckptrun.Checkpointer``: snapshot the training state at every step, restore it exactly.
+
+Under the ckptrun agent (``CKPTRUN_CONTROL`` set) snapshots go into the rank's
+shared-memory slot files, which survive a worker crash; ``restore()`` loads the step the
+agent chose (``CKPTRUN_RESTORE``).  Under plain ``python``/``torchrun`` the same script
+keeps its snapshot in-process (double-buffered anonymous memory, same slot layout) and
+persists only when a durable URL is given (``persist_to=`` or ``CKPTRUN_PERSIST_TO``).
+
+Overlap: ``save()`` copies the small, mutable-anytime items (RNG, plain data, buffers)
+synchronously and leaves parameters and optimizer state -- which only change inside
+``optimizer.step()`` -- to a background thread (``copy_`` and xxh3 both release the GIL).
+A step pre-hook on every optimizer in the state waits for that copy, so no parameter
+changes under it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ckptrun import snapshot as S
+from ckptrun.heartbeat import worker_link
+from ckptrun.protocol import (
+    DEFAULT_NUM_SLOTS,
+    ENV_CONTROL,
+    ENV_MAX_STATE_BYTES,
+    ENV_NUM_SLOTS,
+    ENV_PERSIST_TO,
+    ENV_RESTORE,
+    ENV_SLOT_PREFIX,
+    Phase,
+)
+from ckptrun.slots import SlotWrite, layout, meta_bytes, read_slot, slot_size, verify_slot
+from ckptrun.slotset import ShmTooSmall, SlotSet
+
+RNG_KEY = "rng"
+
+
+class Checkpointer:
+    """Per-iteration snapshots of ``state`` into the memory tier (see DESIGN §2).
+
+    ``state`` maps names to objects with ``state_dict()``/``load_state_dict()`` (models,
+    optimizers, schedulers, stateful loaders), tensors, numpy arrays and plain data; plain
+    entries are replaced in the dict on restore, objects and tensors are loaded in place.
+    """
+
+    def __init__(self, state: Dict[str, Any], *, persist_to: Optional[str] = None,
+                 overlap: bool = True, capture_rng: bool = True,
+                 persist_every: Optional[int] = None, verify_restore: bool = True) -> None:
+        if not isinstance(state, dict):
+            raise TypeError("ckptrun.Checkpointer expects a dict of name -> state")
+        self.state = state
+        self.overlap = overlap
+        self.capture_rng = capture_rng
+        self.verify_restore = verify_restore
+        self.persist_to = persist_to or os.environ.get(ENV_PERSIST_TO) or None
+        self.persist_every = persist_every
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._rng_key = RNG_KEY if RNG_KEY not in state else "__ckptrun_rng__"
+        self._link = worker_link() if os.environ.get(ENV_CONTROL) else None
+        if self._link is not None:
+            num = int(os.environ.get(ENV_NUM_SLOTS, str(DEFAULT_NUM_SLOTS)))
+            self._slots = SlotSet(os.environ[ENV_SLOT_PREFIX], num, keep=2,
+                                  max_bytes=int(os.environ.get(ENV_MAX_STATE_BYTES, "0") or 0),
+                                  rank=self.rank)
+        else:  # in-process: newest commit + one being written (+ one a persist may hold)
+            self._slots = SlotSet(None, 3 if self.persist_to else 2, keep=1, rank=self.rank)
+        self._local_pin = -1  # in-process slot held by a persist
+        self._persister: Optional[threading.Thread] = None
+        self._pending: Optional[threading.Thread] = None
+        self._pending_error: Optional[BaseException] = None
+        self._hooked: Dict[int, Any] = {}
+        self._stream = None
+        self.saves = 0
+        self.skipped_saves = 0
+        self.last_block_s = 0.0
+        self.last_copy_s = 0.0
+        self._persisted_step = -1
+        self._closed = False
+        for obj in _walk(state):
+            if isinstance(obj, torch.optim.Optimizer):
+                self._hook(obj)
+
+    # ------------------------------------------------------------------ public API
+
+    def save(self, step: int) -> bool:
+        """Snapshot the state as ``step``; returns False when the save was skipped.
+
+        Returns as soon as the synchronous part is copied; parameters and optimizer state
+        may still be copying (the next ``optimizer.step()`` waits for them).
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        self._set_phase(Phase.SAVING, step)
+        fl = S.flatten_state(self._full_state())
+        for opt in fl.optimizers:
+            self._hook(opt)
+        tensors = [t for _, t in fl.items]
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        background = self.overlap and bool(fl.optimizers)
+        deferred = [i for i, d in enumerate(fl.deferrable) if d and background and nbytes[i]]
+        dset = set(deferred)
+        sync = [i for i in range(len(tensors)) if i not in dset]
+        offsets, data_len = layout(nbytes, sync + deferred)  # the sync part is hashed first
+        meta = S.make_meta(step, self.rank, self.world_size, fl.tree, fl.items, offsets)
+        mj = meta_bytes(meta)
+        k = self._slots.choose(self._pin())
+        if k is None:
+            self.skipped_saves += 1
+            self._ctl("skipped_saves", self.skipped_saves)
+            self._set_phase(Phase.RUNNING)
+            return False
+        try:
+            mm = self._slots.ensure(k, slot_size(len(mj), data_len), len(mj), data_len)
+        except ShmTooSmall:
+            self._ctl("fatal", 1)  # a restart cannot fix this: the agent stops the job
+            raise
+        job = SlotWrite(mm, mj, tensors, offsets, data_len, step, self.rank, self.world_size)
+        job.begin()
+        stream = self._copy_stream(tensors)
+        job.copy(sync, stream)
+        if deferred:
+            if stream is not None:  # the copy stream must see the step that produced the params
+                stream.wait_stream(torch.cuda.current_stream())
+            self._pending = threading.Thread(target=self._finish, args=(job, k, deferred, stream),
+                                             name="ckptrun-snapshot", daemon=True)
+            self._pending.start()
+        else:
+            self._finish(job, k, [], stream)
+        self.last_block_s = time.perf_counter() - t0
+        self._ctl("save_block_s", self.last_block_s)
+        return True
+
+    def restore(self) -> int:
+        """Load the newest step every rank can restore; 0 = nothing (state untouched)."""
+        self.wait()
+        t0 = time.perf_counter()
+        if self._link is not None:
+            step = int(json.loads(os.environ.get(ENV_RESTORE) or '{"step": 0}').get("step", 0))
+            if step <= 0:
+                self._ctl("restored_step", 0)
+                return 0
+            self._set_phase(Phase.RESTORING, step)
+            k = self._slots.find(step)
+            if k is None:
+                raise RuntimeError(f"ckptrun: rank {self.rank} has no committed slot for step "
+                                   f"{step} that the agent asked to restore")
+            self._load_slot(k)
+        else:
+            step = self._restore_standalone()
+            if step <= 0:
+                return 0
+        dt = time.perf_counter() - t0
+        self._ctl("restored_step", step)
+        self._ctl("restore_s", dt)
+        self._set_phase(Phase.RUNNING, step)
+        return step
+
+    def wait(self) -> None:
+        """Wait for the background copy of the previous save (no-op when none runs)."""
+        th = self._pending
+        if th is not None:
+            th.join()
+            self._pending = None
+        err, self._pending_error = self._pending_error, None
+        if err is not None:  # a failed snapshot must not stop training: report, go on
+            print(f"ckptrun: snapshot failed and was dropped: {err!r}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Wait for the last snapshot (and persist it when a durable URL is set)."""
+        if self._closed:
+            return
+        self.wait()
+        if self._persister is not None:
+            self._persister.join()
+        if self._link is None and self.persist_to:
+            k = self._slots.newest()
+            if k is not None and self._slots.header(k).step != self._persisted_step:
+                self._persist(k)
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _full_state(self) -> Dict[str, Any]:
+        if not self.capture_rng:
+            return self.state
+        full = dict(self.state)
+        full[self._rng_key] = S.capture_rng()
+        return full
+
+    def _finish(self, job: SlotWrite, k: int, deferred: List[int], stream: Any) -> None:
+        try:
+            if deferred:
+                job.copy(deferred, stream)
+            h = job.commit()
+        except BaseException as e:  # the slot stays WRITING: ignored by every reader
+            self._pending_error = e
+            self._ctl("phase", Phase.RUNNING)
+            return
+        self.saves += 1
+        self.last_copy_s = job.copy_s
+        if self._link is not None:
+            for name, value in (("committed_step", h.step), ("committed_slot", k),
+                                ("saves", self.saves), ("save_copy_s", job.copy_s),
+                                ("state_bytes", h.data_len)):
+                self._ctl(name, value)
+        self._ctl("phase", Phase.RUNNING)
+        if self._link is None and self.persist_to and self.persist_every \
+                and h.step % self.persist_every == 0 and self._local_pin < 0:
+            # Its own thread: a slow store must not hold up the next optimizer step.  The
+            # slot stays pinned (skipped by the writer) until the write is done.
+            self._local_pin = k
+            self._persister = threading.Thread(target=self._persist, args=(k,),
+                                               name="ckptrun-persist", daemon=True)
+            self._persister.start()
+
+    def _persist(self, k: int) -> None:
+        """Write the in-process slot ``k`` to the durable tier (standalone mode only)."""
+        try:
+            from ckptrun import storage
+        except ImportError:
+            print("ckptrun: persist_to is set but ckptrun.storage is unavailable",
+                  file=sys.stderr)
+            return
+        self._local_pin = k
+        try:
+            _, meta, views = read_slot(self._slots.mms[k])
+            storage.write_step(self.persist_to, meta["step"], {self.rank: (meta, views)},
+                               self.world_size)
+            self._persisted_step = meta["step"]
+        except Exception as e:  # Megatron-LM #1435: a failed write must not kill training
+            print(f"ckptrun: persisting step to {self.persist_to} failed: {e}", file=sys.stderr)
+        finally:
+            self._local_pin = -1
+
+    def _restore_standalone(self) -> int:
+        k = self._slots.newest()
+        if k is not None:
+            return self._load_slot(k)
+        if not self.persist_to:
+            return 0
+        try:
+            from ckptrun import storage
+        except ImportError:
+            return 0
+        step = storage.newest_step(self.persist_to)
+        if not step:
+            return 0
+        self._set_phase(Phase.RESTORING, step)
+        meta, tensors = storage.read_rank(self.persist_to, step, self.rank)
+        self._load(meta, tensors)
+        return int(step)
+
+    def _load_slot(self, k: int) -> int:
+        mm = self._slots.mms[k]
+        h, meta, views = read_slot(mm)
+        if self.verify_restore and not verify_slot(mm, h):
+            raise RuntimeError(f"ckptrun: rank {self.rank}: slot {k} (step {h.step}) fails its "
+                               "checksum; refusing to restore from it")
+        # Clone out of the slot: optimizer.load_state_dict keeps the tensors it is given,
+        # and the next save() would overwrite them in place.
+        tensors = [v.clone() for v in views]
+        del views
+        self._load(meta, tensors)
+        return h.step
+
+    def _load(self, meta: Dict[str, Any], tensors: List[torch.Tensor]) -> None:
+        restored = S.unflatten(meta["tree"], tensors)
+        rng = restored.pop(self._rng_key, None) if self.capture_rng else None
+        if not self.capture_rng:
+            restored.pop(self._rng_key, None)
+        S.load_into(self.state, restored)
+        if rng is not None:
+            S.restore_rng(rng)
+
+    def _hook(self, opt: torch.optim.Optimizer) -> None:
+        if id(opt) not in self._hooked:
+            self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait())
+
+    def _copy_stream(self, tensors: List[torch.Tensor]) -> Any:
+        if not any(t.is_cuda for t in tensors):
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _pin(self) -> int:
+        if self._link is None:
+            return self._local_pin
+        block, local_rank = self._link
+        return block.get(local_rank, "pin")
+
+    def _ctl(self, name: str, value: Any) -> None:
+        if self._link is not None:
+            block, local_rank = self._link
+            block.set(local_rank, name, value)
+
+    def _set_phase(self, phase: int, step: Optional[int] = None) -> None:
+        if self._link is not None:
+            block, local_rank = self._link
+            block.beat(local_rank, step=step, phase=phase)
+
+
+def _walk(x: Any, depth: int = 0):
+    """Objects reachable through dicts/lists of the state (to find optimizers up front)."""
+    if depth > 4:
+        return
+    yield x
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _walk(v, depth + 1)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _walk(v, depth + 1)

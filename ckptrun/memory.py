@@ -1,0 +1,245 @@
+"""The agent's view of its node's memory tier: which steps each rank holds, verification,
+the restore decision, safe reads of live slots, materialising copies, cleanup.
+
+The agent never writes a slot while its worker runs, except ``pin`` in the control block;
+it reads headers, verifies checksums and copies data out seqlock-style (``state``/``step``/
+``seq`` unchanged after the copy, else the copy is thrown away).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import mmap
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ckptrun.protocol import (
+    DEFAULT_NUM_SLOTS,
+    SHM_DIR,
+    SHM_PREFIX,
+    ControlBlock,
+    SlotHeader,
+    SlotState,
+    create_shm_file,
+    open_shm_file,
+    rank_slot_prefix,
+    set_slot_state,
+    slot_path,
+)
+from ckptrun.slots import meta_bytes, read_slot, slot_size, verify_slot, write_slot
+
+Snapshot = Tuple[dict, List[torch.Tensor]]
+PinRef = Tuple[ControlBlock, int]  # (control block, local rank) whose ``pin`` to set
+
+
+class SlotChanged(RuntimeError):
+    """The slot was rewritten while it was being read; the copy must not be used."""
+
+
+class NodeMemory:
+    """Slots of every rank on this node for the job ``job_token``."""
+
+    def __init__(self, job_token: str, num_slots: int = DEFAULT_NUM_SLOTS) -> None:
+        self.job_token = job_token
+        self.num_slots = num_slots
+        # (rank, slot) -> (seq, step, checksum ok): a slot is hashed once per write, not per query.
+        self._verified: Dict[Tuple[int, int], Tuple[int, int, bool]] = {}
+
+    # ------------------------------------------------------------------ naming
+
+    def slot_prefix(self, rank: int) -> str:
+        """The ``CKPTRUN_SLOT_PREFIX`` of global rank ``rank`` on this node."""
+        return rank_slot_prefix(self.job_token, rank)
+
+    def slot_paths(self, rank: int) -> List[str]:
+        """Existing slot files of ``rank``."""
+        paths = [slot_path(self.slot_prefix(rank), k) for k in range(self.num_slots)]
+        return [p for p in paths if os.path.exists(p)]
+
+    def total_bytes(self) -> int:
+        """Bytes of shared memory this job's files occupy on this node."""
+        total = 0
+        for p in self._job_files():
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(p).st_size
+        return total
+
+    # ------------------------------------------------------------------ headers
+
+    def _open(self, rank: int, k: int, write: bool = False) -> Optional[mmap.mmap]:
+        try:
+            return open_shm_file(slot_path(self.slot_prefix(rank), k), write=write)
+        except (FileNotFoundError, ValueError):  # missing, or empty (mmap of length 0)
+            return None
+
+    def headers(self, rank: int) -> Dict[int, SlotHeader]:
+        """Header of every existing slot of ``rank`` (slot index -> header)."""
+        out = {}
+        for k in range(self.num_slots):
+            mm = self._open(rank, k)
+            if mm is not None:
+                out[k] = SlotHeader.unpack_from(mm)
+                mm.close()
+        return out
+
+    def steps(self, rank: int) -> Dict[int, int]:
+        """Committed steps of ``rank`` (step -> slot), from headers only (no checksum)."""
+        out: Dict[int, int] = {}
+        hs = self.headers(rank)
+        for k, h in sorted(hs.items(), key=lambda kv: kv[1].commit_time):
+            if h.state == SlotState.COMMITTED:
+                out[h.step] = k  # the later commit wins if a step was written twice
+        return out
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self, rank: int, step: int) -> bool:
+        """True when ``rank`` holds ``step`` committed and its checksum matches."""
+        k = self.steps(rank).get(step)
+        return k is not None and self._verify_slot(rank, k, step)
+
+    def _verify_slot(self, rank: int, k: int, step: int) -> bool:
+        mm = self._open(rank, k)
+        if mm is None:
+            return False
+        try:
+            h = SlotHeader.unpack_from(mm)
+            if h.state != SlotState.COMMITTED or h.step != step:
+                return False
+            cached = self._verified.get((rank, k))
+            if cached is not None and cached[:2] == (h.seq, h.step):
+                return cached[2]
+            ok = verify_slot(mm, h)
+            after = SlotHeader.unpack_from(mm)
+            if (after.state, after.step, after.seq) == (h.state, h.step, h.seq):
+                self._verified[(rank, k)] = (h.seq, h.step, ok)
+            return ok
+        finally:
+            mm.close()
+
+    def common_step(self, ranks: Sequence[int]) -> Optional[int]:
+        """Newest step committed and verified on every rank in ``ranks`` (None if none).
+
+        A copy that fails its checksum is skipped, never used (Megatron-LM #5281).
+        """
+        ranks = list(ranks)
+        if not ranks:
+            return None
+        per_rank = [self.steps(r) for r in ranks]
+        common = set(per_rank[0])
+        for st in per_rank[1:]:
+            common &= set(st)
+        for step in sorted(common, reverse=True):
+            if step <= 0:
+                continue
+            if all(self._verify_slot(r, st[step], step) for r, st in zip(ranks, per_rank)):
+                return step
+        return None
+
+    def discard_newer(self, ranks: Sequence[int], step: int) -> None:
+        """Mark every slot of ``ranks`` holding a step newer than ``step`` EMPTY (and torn
+        WRITING slots too), so an abandoned timeline is never restored.  Workers must be
+        stopped."""
+        for r in ranks:
+            for k in range(self.num_slots):
+                mm = self._open(r, k, write=True)
+                if mm is None:
+                    continue
+                h = SlotHeader.unpack_from(mm)
+                if (h.state == SlotState.COMMITTED and h.step > step) or h.state == SlotState.WRITING:
+                    set_slot_state(mm, SlotState.EMPTY, -1, h.seq + 1)
+                    self._verified.pop((r, k), None)
+                mm.close()
+
+    # ------------------------------------------------------------------ reading and writing
+
+    @contextlib.contextmanager
+    def pinned(self, rank: int, step: int, pin: Optional[PinRef] = None
+               ) -> Iterator[Tuple[dict, List[torch.Tensor]]]:
+        """Hold ``(meta, tensor views)`` of ``rank``'s ``step`` without copying.
+
+        With ``pin`` the worker will not choose this slot while it is held.  On exit the
+        header is checked again and :class:`SlotChanged` raised if the slot was rewritten:
+        whatever was done with the views (sent, written) must then be discarded.
+        """
+        k = self.steps(rank).get(step)
+        if k is None:
+            raise KeyError(f"rank {rank} has no committed step {step} in memory")
+        if pin is not None:
+            pin[0].set(pin[1], "pin", k)
+        mm = self._open(rank, k)
+        try:
+            if mm is None:
+                raise KeyError(f"slot {k} of rank {rank} disappeared")
+            h = SlotHeader.unpack_from(mm)
+            if h.state != SlotState.COMMITTED or h.step != step:
+                raise SlotChanged(f"slot {k} of rank {rank} no longer holds step {step}")
+            h, meta, views = read_slot(mm)
+            if h.step != step:
+                raise SlotChanged(f"slot {k} of rank {rank} no longer holds step {step}")
+            yield meta, views
+            del views
+            after = SlotHeader.unpack_from(mm)
+            if (after.state, after.step, after.seq) != (h.state, h.step, h.seq):
+                raise SlotChanged(f"slot {k} of rank {rank} was rewritten while being read")
+        finally:
+            if pin is not None:
+                pin[0].set(pin[1], "pin", -1)
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()  # views handed out keep the map alive until they go
+
+    def read(self, rank: int, step: int, pin: Optional[PinRef] = None) -> Snapshot:
+        """A private copy of ``rank``'s ``step`` (for persistence or export).
+
+        Raises :class:`SlotChanged` if the slot was rewritten during the copy, ``KeyError``
+        if the step is not held.
+        """
+        with self.pinned(rank, step, pin) as (meta, views):
+            tensors = [v.clone() for v in views]
+        return meta, tensors
+
+    def write(self, rank: int, meta: dict, tensors: List[torch.Tensor], step: int) -> int:
+        """Materialise a snapshot (from a peer or storage) into a slot of ``rank``; returns
+        the slot.  Only while the rank's worker is stopped.  Never overwrites the newest
+        other commit when another slot is free."""
+        hs = self.headers(rank)
+        done = sorted((h.step, h.commit_time, k) for k, h in hs.items()
+                      if h.state == SlotState.COMMITTED)
+        same = [k for s, _, k in done if s == step]
+        free = [k for k in range(self.num_slots) if k not in {k2 for _, _, k2 in done}]
+        k = same[0] if same else free[0] if free else done[0][2]
+        m = dict(meta, step=step, rank=rank)
+        nbytes = sum(t.numel() * t.element_size() + 64 for t in tensors)
+        need = slot_size(len(meta_bytes(m)) + 4096, nbytes)
+        path = slot_path(self.slot_prefix(rank), k)
+        mm = self._open(rank, k, write=True)
+        if mm is not None and len(mm) < need:
+            mm.close()
+            mm = None
+        if mm is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # too small (or empty): workers are stopped, replace it
+            mm = create_shm_file(path, need + need // 10)
+        try:
+            write_slot(mm, m, tensors, step=step, rank=rank,
+                       world_size=meta.get("world_size", 0))
+        finally:
+            mm.close()
+        self._verified.pop((rank, k), None)
+        return k
+
+    # ------------------------------------------------------------------ cleanup
+
+    def _job_files(self) -> List[str]:
+        return glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}{glob.escape(self.job_token)}-*"))
+
+    def cleanup(self) -> None:
+        """Unlink every ``/dev/shm/ckptrun-<token>-*`` file of this job (control block too)."""
+        for p in self._job_files():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        self._verified.clear()

@@ -1,0 +1,198 @@
+"""A worker's own slots: allocation (pre-faulted, sized with headroom, /dev/shm checked up
+front), the writer's slot-choice rule, and CUDA pinning of the slot memory.
+
+Under the agent the slots are the rank's shared-memory files ``<CKPTRUN_SLOT_PREFIX><k>``,
+which outlive the worker; under plain ``python``/``torchrun`` they are anonymous private
+maps of the process (the in-process snapshot), with exactly the same layout and code path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any, List, Optional
+
+from ckptrun.protocol import (
+    PAGE,
+    SHM_DIR,
+    SlotHeader,
+    SlotState,
+    create_shm_file,
+    data_offset_for,
+    open_shm_file,
+    slot_path,
+)
+
+MiB = 1 << 20
+
+
+class ShmTooSmall(RuntimeError):
+    """/dev/shm (or the configured budget) cannot hold this rank's slots."""
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def size_with_headroom(meta_len: int, data_len: int) -> int:
+    """Slot size for a state: 10% + 1 MiB headroom for data, generous room for the JSON."""
+    return _round_up(data_offset_for(2 * meta_len + 64 * 1024) + data_len + data_len // 10 + MiB,
+                     PAGE)
+
+
+class SlotSet:
+    """The slots of one rank, as seen by the worker that writes them.
+
+    ``prefix`` None selects in-process mode (anonymous maps).  ``keep`` is how many of the
+    newest commits a write must never touch: 2 under the agent (ranks may be one step apart
+    at a crash, so every rank must still hold the slowest rank's step), 1 in-process.
+    """
+
+    def __init__(self, prefix: Optional[str], num_slots: int, keep: int,
+                 max_bytes: int = 0, rank: int = 0) -> None:
+        if num_slots <= keep:
+            raise ValueError(f"ckptrun: {num_slots} slots cannot keep {keep} commits and write")
+        self.prefix = prefix
+        self.num_slots = num_slots
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self.rank = rank
+        self.mms: List[Optional[mmap.mmap]] = [None] * num_slots
+        self._pinned: List[Optional[Any]] = [None] * num_slots  # uint8 views registered with CUDA
+        self._graveyard: List[mmap.mmap] = []  # maps still exported to views; dropped with them
+        if prefix is not None:
+            for k in range(num_slots):
+                if os.path.exists(slot_path(prefix, k)):  # a restart: earlier commits stay usable
+                    self.mms[k] = open_shm_file(slot_path(prefix, k), populate=True)
+
+    # ------------------------------------------------------------------ reading
+
+    def header(self, k: int) -> SlotHeader:
+        mm = self.mms[k]
+        return SlotHeader.unpack_from(mm) if mm is not None else SlotHeader()
+
+    def find(self, step: int) -> Optional[int]:
+        """The slot holding a COMMITTED ``step`` (newest commit if several), or None."""
+        best = None
+        for k in range(self.num_slots):
+            h = self.header(k)
+            if h.state == SlotState.COMMITTED and h.step == step:
+                if best is None or h.commit_time > self.header(best).commit_time:
+                    best = k
+        return best
+
+    def newest(self) -> Optional[int]:
+        order = self._committed_order()
+        return order[-1] if order else None
+
+    def _committed_order(self) -> List[int]:
+        hs = [self.header(k) for k in range(self.num_slots)]
+        done = [k for k in range(self.num_slots) if hs[k].state == SlotState.COMMITTED]
+        return sorted(done, key=lambda k: (hs[k].step, hs[k].commit_time))
+
+    # ------------------------------------------------------------------ the writer's rule
+
+    def choose(self, pin: int = -1) -> Optional[int]:
+        """A slot to write next, or None (then the save is skipped, never blocked).
+
+        Never one of the ``keep`` newest commits, never the slot the agent pinned.  Empty or
+        torn slots go first, then the oldest commit.
+        """
+        order = self._committed_order()
+        protected = set(order[-self.keep:]) if order else set()
+        free = [k for k in range(self.num_slots) if k not in protected and k != pin]
+        if not free:
+            return None
+        rank_of = {k: i for i, k in enumerate(order)}
+        return min(free, key=lambda k: rank_of.get(k, -1))
+
+    # ------------------------------------------------------------------ allocation
+
+    def ensure(self, k: int, need: int, meta_len: int, data_len: int) -> mmap.mmap:
+        """Slot ``k`` mapped with at least ``need`` bytes (allocating or growing it)."""
+        mm = self.mms[k]
+        if mm is not None and len(mm) >= need:
+            return mm
+        size = max(need, size_with_headroom(meta_len, data_len))
+        self._check_space(size)
+        self._unpin(k)
+        if mm is not None:
+            self._release(mm)
+            self.mms[k] = None
+        if self.prefix is None:
+            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+            self.mms[k] = mmap.mmap(-1, size, flags=flags)
+        else:
+            path = slot_path(self.prefix, k)
+            if os.path.exists(path):
+                # Grow in place (same inode): a reader holding the old map stays valid.
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
+                self.mms[k] = open_shm_file(path, populate=True)
+            else:
+                self.mms[k] = create_shm_file(path, size)
+        self._pin(k)
+        return self.mms[k]
+
+    def _check_space(self, size: int) -> None:
+        """Fail fast with one clear line instead of a SIGBUS when tmpfs runs out mid-copy."""
+        total = size * self.num_slots
+        if self.max_bytes and total > self.max_bytes:
+            raise ShmTooSmall(
+                f"ckptrun: the snapshot of rank {self.rank} needs {total / MiB:.0f} MiB "
+                f"({self.num_slots} slots x {size / MiB:.0f} MiB) but CKPTRUN_MAX_STATE_BYTES "
+                f"allows {self.max_bytes / MiB:.0f} MiB; raise the limit or shrink the state")
+        if self.prefix is None:
+            return
+        have = sum(len(m) for m in self.mms if m is not None)
+        extra = max(0, total - have)
+        st = os.statvfs(os.path.dirname(self.prefix) or SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+        if extra > free:
+            where = os.path.dirname(self.prefix) or SHM_DIR
+            raise ShmTooSmall(
+                f"ckptrun: {where} has {free / MiB:.0f} MiB free but the snapshot needs "
+                f"{extra / MiB:.0f} MiB more (rank {self.rank}: {self.num_slots} slots x "
+                f"{size / MiB:.0f} MiB); enlarge it, e.g. docker --shm-size")
+
+    # ------------------------------------------------------------------ CUDA pinning
+
+    def _pin(self, k: int) -> None:
+        """Register the slot as pinned host memory so device->host copies run at full speed."""
+        try:
+            import torch
+
+            if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+                return
+            view = torch.frombuffer(self.mms[k], dtype=torch.uint8)
+            err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)
+            if int(getattr(err, "value", err)) == 0:
+                self._pinned[k] = view
+        except Exception:  # pinning is an optimisation; pageable copies still work
+            self._pinned[k] = None
+
+    def _unpin(self, k: int) -> None:
+        view = self._pinned[k]
+        self._pinned[k] = None
+        if view is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+
+    def _release(self, mm: mmap.mmap) -> None:
+        try:
+            mm.close()
+        except BufferError:
+            self._graveyard.append(mm)  # tensor views still point into it; freed with them
+
+    def close(self) -> None:
+        """Unmap (the shared files stay: the agent owns their lifetime)."""
+        for k in range(self.num_slots):
+            self._unpin(k)
+            if self.mms[k] is not None:
+                self._release(self.mms[k])
+                self.mms[k] = None

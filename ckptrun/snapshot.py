@@ -1,0 +1,297 @@
+"""Training state <-> (JSON skeleton, list of tensors), without pickle; RNG capture.
+
+A rank's snapshot is ``(meta, tensors)`` where ``meta`` is a JSON-able dict (see
+:func:`make_meta`) and ``tensors[i]`` is the contiguous CPU tensor described by
+``meta["tensors"][i]``.  ``meta["tree"]`` is the skeleton produced by :func:`flatten`; only
+:func:`unflatten` interprets it.
+
+Skeleton encoding: ``None``/``bool``/``int``/``str`` and finite floats are stored as
+themselves (Python's ``json`` round-trips big ints and floats exactly); everything else is a
+one-key tagged object, so a plain dict is always tagged (``{"d": [[key, value], ...]}``) and
+can never be mistaken for a tag.  Dict keys are encoded like values, so ``1``, ``"1"`` and
+``(1, 2)`` stay distinct.
+
+The slot I/O (``write_slot``/``read_slot``/``verify_slot``) lives in :mod:`ckptrun.slots`
+and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import random
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+import torch
+
+from ckptrun.slots import (  # noqa: F401  (re-exported: the durable tier calls snapshot.*)
+    dtype_from_name,
+    dtype_name,
+    read_slot,
+    slot_checksum,
+    verify_slot,
+    write_slot,
+)
+
+FORMAT = 1
+
+# numpy dtypes that torch.from_numpy accepts with the same meaning; others travel as raw bytes.
+_NP_TORCH_KINDS = {"b", "i", "u", "f", "c"}
+
+
+class Flattened:
+    """Result of :func:`flatten_state`: skeleton, ``(path, tensor)`` pairs and which of them
+    may be copied in the background (parameters and optimizer state, which only change at
+    ``optimizer.step()``), plus the optimizers found (to hook their ``step``)."""
+
+    def __init__(self) -> None:
+        self.tree: Any = None
+        self.items: List[Tuple[str, torch.Tensor]] = []
+        self.deferrable: List[bool] = []
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self._paths: Set[str] = set()
+
+    def add(self, path: str, t: torch.Tensor, deferrable: bool) -> int:
+        # Paths are readable keys; a rare collision ("a/b" vs {"a": {"b"}}) gets a suffix.
+        unique, n = path, 1
+        while unique in self._paths:
+            n += 1
+            unique = f"{path}#{n}"
+        self._paths.add(unique)
+        self.items.append((unique, t))
+        self.deferrable.append(deferrable)
+        return len(self.items) - 1
+
+
+def flatten(state: Any) -> Tuple[Any, List[Tuple[str, torch.Tensor]]]:
+    """Split ``state`` into a JSON skeleton and its tensors (``[(path, tensor)]``).
+
+    Values may be objects with ``state_dict()`` (stored as their state dict), tensors, numpy
+    arrays and plain Python data.  Anything else raises ``TypeError`` naming its path.
+    """
+    fl = flatten_state(state)
+    return fl.tree, fl.items
+
+
+def flatten_state(state: Any) -> Flattened:
+    """Like :func:`flatten`, also reporting deferrable tensors and optimizers (for overlap)."""
+    fl = Flattened()
+    fl.tree = _enc(state, "", fl, None)
+    return fl
+
+
+def _join(path: str, key: Any) -> str:
+    k = key if isinstance(key, str) else repr(key)
+    k = k.replace("%", "%25").replace("/", "%2F")
+    return f"{path}/{k}" if path else k
+
+
+def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
+    """Encode ``x``; ``live`` holds data pointers of tensors that are deferrable here."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if type(x) is int:
+        return x
+    if type(x) is float:
+        return x if math.isfinite(x) else {"f": repr(x)}
+    if isinstance(x, torch.Tensor):
+        if x.is_sparse or x.layout != torch.strided:
+            raise TypeError(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
+        deferrable = live is not None and x.numel() > 0 and x.data_ptr() in live
+        return {"T": fl.add(path, x.detach(), deferrable)}
+    if isinstance(x, dict):
+        return {"d": [[_enc_key(k, path), _enc(v, _join(path, k), fl, live)] for k, v in x.items()]}
+    if type(x) is list:
+        return {"l": [_enc(v, _join(path, i), fl, live) for i, v in enumerate(x)]}
+    if type(x) is tuple:
+        return {"t": [_enc(v, _join(path, i), fl, live) for i, v in enumerate(x)]}
+    if isinstance(x, np.ndarray):
+        return _enc_ndarray(x, path, fl)
+    if isinstance(x, np.generic):
+        if x.dtype.kind == "O":
+            raise TypeError(f"ckptrun: cannot snapshot numpy object scalar at {path!r}")
+        return {"ns": [x.dtype.str, x.tobytes().hex()]}
+    if isinstance(x, (bytes, bytearray)):
+        return {"b" if type(x) is bytes else "ba": base64.b64encode(bytes(x)).decode("ascii")}
+    if isinstance(x, torch.dtype):
+        return {"dt": dtype_name(x)}
+    if isinstance(x, torch.Size):
+        return {"S": list(x)}
+    if isinstance(x, torch.device):
+        return {"dev": str(x)}
+    if hasattr(x, "state_dict") and callable(x.state_dict) and hasattr(x, "load_state_dict"):
+        return {"o": _enc_stateful(x, path, fl)}
+    raise TypeError(
+        f"ckptrun: cannot snapshot {type(x).__module__}.{type(x).__qualname__} at "
+        f"{path or '<root>'!r}: use tensors, numpy arrays, plain Python data or objects with "
+        "state_dict()/load_state_dict()"
+    )
+
+
+def _enc_stateful(obj: Any, path: str, fl: Flattened) -> Any:
+    live: Optional[Set[int]] = None
+    if isinstance(obj, torch.nn.Module):
+        live = {p.data_ptr() for p in obj.parameters() if p.numel() > 0}
+    elif isinstance(obj, torch.optim.Optimizer):
+        fl.optimizers.append(obj)
+        sd = obj.state_dict()
+        # Every tensor of an optimizer's state only changes inside step().
+        live = {t.data_ptr() for st in sd.get("state", {}).values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.numel() > 0}
+        return _enc(sd, path, fl, live)
+    return _enc(obj.state_dict(), path, fl, live)
+
+
+def _enc_key(k: Any, path: str) -> Any:
+    if isinstance(k, (str, bool, type(None))) or type(k) in (int, float):
+        return _enc(k, path, Flattened(), None)
+    if type(k) is tuple:
+        return {"t": [_enc_key(v, path) for v in k]}
+    raise TypeError(f"ckptrun: unsupported dict key {k!r} ({type(k).__name__}) at {path or '<root>'!r}")
+
+
+def _enc_ndarray(a: np.ndarray, path: str, fl: Flattened) -> Any:
+    if a.dtype.kind in ("O", "V", "U", "S", "M", "m") or a.dtype.hasobject:
+        if a.dtype.kind in ("U", "S", "M", "m"):
+            raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            idx = fl.add(path, torch.from_numpy(raw.copy()), False)
+            return {"N": idx, "np": a.dtype.str, "shape": list(a.shape)}
+        raise TypeError(f"ckptrun: cannot snapshot numpy array of dtype {a.dtype} at {path!r}")
+    native = a.dtype.isnative and a.dtype.kind in _NP_TORCH_KINDS
+    if native:
+        try:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+        except TypeError:
+            native = False
+    if not native:
+        raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        t = torch.from_numpy(raw)
+    # A snapshot must not alias a numpy array the script may keep mutating after save():
+    # arrays are copied synchronously (deferrable=False).
+    return {"N": fl.add(path, t, False), "np": a.dtype.str, "shape": list(a.shape)}
+
+
+def unflatten(tree: Any, tensors: List[torch.Tensor]) -> Any:
+    """Rebuild the state from a skeleton and its tensors (objects come back as state dicts)."""
+    return _dec(tree, tensors)
+
+
+def _dec(n: Any, ts: List[torch.Tensor]) -> Any:
+    if not isinstance(n, dict):
+        return n  # None, bool, int, str, finite float
+    tag, v = next(iter(n.items()))  # the tag is always the first key
+    if tag == "d":
+        return {_dec(k, ts): _dec(val, ts) for k, val in v}
+    if tag == "l":
+        return [_dec(x, ts) for x in v]
+    if tag == "t":
+        return tuple(_dec(x, ts) for x in v)
+    if tag == "T":
+        return ts[v]
+    if tag == "f":
+        return float(v)
+    if tag == "N":
+        arr = ts[v].numpy()
+        dt = np.dtype(n["np"])
+        if arr.dtype != dt:
+            arr = arr.view(np.uint8).view(dt)
+        return arr.reshape(n["shape"])
+    if tag == "ns":
+        return np.frombuffer(bytes.fromhex(v[1]), dtype=np.dtype(v[0]))[0]
+    if tag == "b":
+        return base64.b64decode(v)
+    if tag == "ba":
+        return bytearray(base64.b64decode(v))
+    if tag == "dt":
+        return dtype_from_name(v)
+    if tag == "S":
+        return torch.Size(v)
+    if tag == "dev":
+        return torch.device(v)
+    if tag == "o":
+        return _dec(v, ts)
+    raise ValueError(f"ckptrun: unknown snapshot tree tag {tag!r}")
+
+
+def load_into(target: Dict[Any, Any], restored: Dict[Any, Any]) -> None:
+    """Load ``restored`` (from :func:`unflatten`) into the live ``target`` state in place.
+
+    Objects get ``load_state_dict``; tensors are overwritten in place when shape and dtype
+    match (the script keeps its references); nested dicts are updated recursively; anything
+    else replaces the entry.
+    """
+    for k, new in restored.items():
+        cur = target.get(k, None) if isinstance(target, dict) else None
+        if cur is not None and hasattr(cur, "load_state_dict") and not isinstance(cur, torch.Tensor) \
+                and hasattr(cur, "state_dict"):
+            cur.load_state_dict(new)
+        elif isinstance(cur, torch.Tensor) and isinstance(new, torch.Tensor) \
+                and cur.shape == new.shape and cur.dtype == new.dtype:
+            with torch.no_grad():
+                cur.copy_(new)
+        elif isinstance(cur, np.ndarray) and isinstance(new, np.ndarray) \
+                and cur.shape == new.shape and cur.dtype == new.dtype and cur.flags.writeable:
+            cur[...] = new
+        elif type(cur) is dict and type(new) is dict:
+            load_into(cur, new)
+            for extra in [e for e in cur if e not in new]:
+                del cur[extra]
+        else:
+            target[k] = new
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> Dict[str, Any]:
+    """The global RNG states: python, numpy, torch CPU and (when initialised) every CUDA device."""
+    rng: Dict[str, Any] = {
+        # 625 ints as a tensor rather than JSON: keeps the meta (built on every save) small.
+        "python": _py_rng_state(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = list(torch.cuda.get_rng_state_all())
+    return rng
+
+
+def _py_rng_state() -> Dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    return {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
+
+
+def restore_rng(rng: Dict[str, Any]) -> None:
+    """Set the global RNGs from :func:`capture_rng`'s result (after a round trip)."""
+    if "python" in rng:
+        v = rng["python"]
+        random.setstate((v["version"], tuple(int(x) for x in v["state"].tolist()), v["gauss"]))
+    if "numpy" in rng:
+        np.random.set_state(tuple(rng["numpy"]))
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"].clone())
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.clone() for s in states])
+
+
+# --------------------------------------------------------------------------- meta
+
+
+def make_meta(step: int, rank: int, world_size: int, tree: Any,
+              items: List[Tuple[str, torch.Tensor]], offsets: List[int]) -> Dict[str, Any]:
+    """The agreed ``meta`` dict for one rank's snapshot (offsets are in the slot data area)."""
+    return {
+        "format": FORMAT,
+        "step": int(step),
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "tree": tree,
+        "tensors": [
+            {"path": p, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": int(o),
+             "nbytes": t.numel() * t.element_size()}
+            for (p, t), o in zip(items, offsets)
+        ],
+    }
