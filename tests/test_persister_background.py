@@ -1,0 +1,236 @@
+"""ckptrun.persister: background persistence, failures, recovery, kill mid-write, keep."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+from s3util import s3_bucket, s3_endpoint  # noqa: F401  (pytest fixtures)
+from test_storage_format import assert_same, snapshots
+
+from ckptrun import storage
+from ckptrun.persister import Persister
+
+
+class SlowLocalFS(LocalFileSystem):
+    """A local filesystem whose writes crawl, so a test can kill a persist half-way."""
+
+    protocol = ("slowlocal",)
+    delay = 0.02
+
+    def _open(self, path, mode="rb", block_size=None, **kwargs):
+        path = self._strip_protocol(path)
+        if "w" in mode:
+            self.makedirs(self._parent(path), exist_ok=True)
+            return _SlowOpener(path, mode, fs=self, **kwargs)
+        return super()._open(path, mode, block_size, **kwargs)
+
+
+class _SlowOpener(LocalFileOpener):
+    def write(self, data):
+        time.sleep(SlowLocalFS.delay)
+        return self.f.write(data)
+
+
+fsspec.register_implementation("slowlocal", SlowLocalFS, clobber=True)
+
+
+class FakeMemory:
+    """Stands in for the agent's NodeMemory: the newest committed step of every local rank."""
+
+    def __init__(self, world_size: int = 2):
+        self.world_size = world_size
+        self.step = 0
+        self.snaps = {}
+        self.lock = threading.Lock()
+        self.reads = 0
+
+    def commit(self, step: int) -> None:
+        snaps = snapshots(step, self.world_size)
+        with self.lock:
+            self.step, self.snaps = step, snaps
+
+    def read(self, min_step: int):
+        with self.lock:
+            if self.step < max(min_step, 1):
+                return None
+            self.reads += 1
+            return self.step, self.snaps
+
+
+class Events:
+    def __init__(self):
+        self.items = []
+
+    def emit(self, event, **fields):
+        self.items.append({"event": event, **fields})
+
+    def of(self, name):
+        return [e for e in self.items if e["event"] == name]
+
+
+def wait_for(pred, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def train(mem, persister, stop, gaps, start=1, dt=0.01):
+    """A 'training loop': commits a step every dt seconds; records the longest gap."""
+    step, last = start, time.monotonic()
+    while not stop.is_set():
+        mem.commit(step)
+        persister.notify(step)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        step += 1
+        time.sleep(dt)
+
+
+def test_every_steps_local_keep_and_final(tmp_path):
+    url = f"file://{tmp_path}/ck"
+    mem, ev = FakeMemory(), Events()
+    p = Persister(url, reader=mem.read, world_size=2, every_steps=5, every_seconds=None, keep=2,
+                  emit=ev.emit, poll_s=0.05)
+    p.start()
+    for s in range(1, 23):
+        mem.commit(s)
+        p.notify(s)
+        time.sleep(0.03)
+    assert wait_for(lambda: len(ev.of("persisted")) >= 2)
+    assert p.final(22)
+    p.stop()
+    steps = [e["step"] for e in ev.of("persisted")]
+    assert steps == sorted(steps) and steps[-1] == 22
+    assert all(b - a >= 5 for a, b in zip(steps, steps[1:-1]))  # every 5 steps (not the final)
+    done = ev.of("persisted")[-1]
+    assert done["url"] == f"{url}/step-22" and done["bytes"] > 0 and done["seconds"] >= 0
+    assert [s["step"] for s in storage.list_steps(url)] == steps[-2:]  # keep=2
+    assert_same(storage.read_rank(url, 22, 1), mem.snaps[1])
+    assert p.status() == {"persisted_step": 22, "persisted_url": f"{url}/step-22",
+                          "last_error": None, "persisting": None, "failures": 0}
+    assert not ev.of("persist_failed")
+
+
+def test_every_seconds_s3_read_by_plain_dcp(s3_bucket):  # noqa: F811
+    url = f"{s3_bucket}/job"
+    mem, ev = FakeMemory(), Events()
+    p = Persister(url, reader=mem.read, world_size=2, every_steps=None, every_seconds=0.3,
+                  keep=3, emit=ev.emit, poll_s=0.05)
+    p.start()
+    stop, gaps = threading.Event(), []
+    t = threading.Thread(target=train, args=(mem, p, stop, gaps))
+    t.start()
+    try:
+        assert wait_for(lambda: len(ev.of("persisted")) >= 2, timeout=60)
+    finally:
+        stop.set()
+        t.join()
+        p.stop()
+    step = ev.of("persisted")[-1]["step"]
+    import torch.distributed.checkpoint as dcp
+
+    want = snapshots(step, 2)[1]
+    fresh = {"rank1/model/layer.weight": torch.zeros(8, 16)}
+    dcp.load(fresh, checkpoint_id=f"{url}/step-{step}")
+    assert torch.equal(fresh["rank1/model/layer.weight"], want[1][0])
+
+
+def test_storage_refusing_writes_then_recovering(tmp_path):
+    root = tmp_path / "ck"
+    mem, ev = FakeMemory(), Events()
+    p = Persister(str(root), reader=mem.read, world_size=2, every_steps=None,
+                  every_seconds=0.2, keep=3, emit=ev.emit, poll_s=0.05, retry_base_s=0.1,
+                  retry_max_s=0.4)
+    p.start()
+    stop, gaps = threading.Event(), []
+    t = threading.Thread(target=train, args=(mem, p, stop, gaps))
+    t.start()
+    try:
+        assert wait_for(lambda: ev.of("persisted"))
+        # The storage goes bad: the persist root becomes a plain file (writes fail even as root).
+        with p._io:  # not mid-write while we swap the directory out
+            shutil.move(str(root), str(tmp_path / "ck.saved"))
+            root.write_text("not a directory")
+        assert wait_for(lambda: len(ev.of("persist_failed")) >= 3)
+        fails_at = len(ev.of("persisted"))
+        step_during = mem.step
+        assert wait_for(lambda: mem.step > step_during + 20)  # training goes on meanwhile
+        assert p.status()["last_error"] and p.status()["failures"] >= 3
+        # The storage comes back: the next retry persists the newest step.
+        root.unlink()
+        shutil.move(str(tmp_path / "ck.saved"), str(root))
+        assert wait_for(lambda: len(ev.of("persisted")) > fails_at)
+    finally:
+        stop.set()
+        t.join()
+        p.stop()
+    failed = ev.of("persist_failed")
+    assert all(isinstance(e["step"], int) and "\n" not in e["error"] for e in failed)
+    assert max(gaps) < 1.0  # training was never held up by the persister
+    assert p.status()["last_error"] is None
+    newest = storage.newest_step(str(root))
+    assert newest == ev.of("persisted")[-1]["step"]
+    assert_same(storage.read_rank(str(root), newest, 0), snapshots(newest, 2)[0])
+
+
+def test_reader_errors_and_final_failure_never_raise(tmp_path):
+    ev = Events()
+
+    def broken(min_step):
+        raise RuntimeError("slot vanished")
+
+    p = Persister(str(tmp_path), reader=broken, world_size=2, every_steps=1, every_seconds=None,
+                  emit=ev.emit, poll_s=0.02, retry_base_s=0.01)
+    p.start()
+    assert wait_for(lambda: ev.of("persist_failed"))
+    assert p.final(3, attempts=2) is False
+    p.stop()
+    assert "slot vanished" in ev.of("persist_failed")[-1]["error"]
+    with pytest.raises(ValueError):
+        Persister(str(tmp_path), reader=broken, world_size=1, every_steps=2, every_seconds=5)
+
+
+def test_kill_during_persist_leaves_no_visible_step(tmp_path):
+    root = tmp_path / "ck"
+    storage.write_step(str(root), 1, snapshots(1, 2), world_size=2)
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {here!r})
+        import test_persister_background as t  # registers slowlocal://
+        from test_storage_format import snapshots
+        from ckptrun import storage
+        storage.write_step("slowlocal://{root}", 2, snapshots(2, 2, scale=64), world_size=2)
+        print("finished")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: (root / "step-2" / "__0_0.distcp").exists(), timeout=60)
+        time.sleep(0.3)  # well inside the write
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        out, _ = proc.communicate(timeout=30)
+    assert b"finished" not in out
+    assert not (root / "step-2" / "ckptrun.json").exists()
+    assert [s["step"] for s in storage.list_steps(str(root))] == [1]
+    assert storage.newest_step(str(root)) == 1
+    assert not storage.is_checkpoint(str(root / "step-2"))
+    assert_same(storage.read_rank(str(root), 1, 1), snapshots(1, 2)[1])
+    storage.write_step(str(root), 3, snapshots(3, 2), world_size=2)
+    assert storage.prune(str(root), keep=5) == [2]  # the torn step is debris now
+    assert sorted(os.listdir(root)) == ["step-1", "step-3"]
