@@ -104,6 +104,7 @@ class ControlBlock:
                 os.close(fd)
             self._mm[0:8] = CONTROL_MAGIC
             struct.pack_into("I", self._mm, 8, nranks)
+            self.nranks = nranks  # reset() range-checks against it
             for r in range(nranks):
                 self.reset(r)
         else:
