@@ -1,0 +1,364 @@
+"""The agent: rendezvous, start the local workers, watch exits and heartbeats, restart.
+
+``run_agent(cfg)`` is the whole life of one ``ckptrun`` process (one per machine)::
+
+    rendezvous (torch handler)  ->  epoch = "<attempt>:<restarts>:<state>" in the store
+    loop:   decide the restore step (memory tier hook)  ->  start workers (attempt k)
+            supervise: exit codes, heartbeats/hangs, fatal flag, the job-wide epoch
+            failure anywhere  ->  epoch k+1 (counted once)  ->  every node restarts
+            all nodes done    ->  exit 0;   budget spent -> 1;   fatal -> 2
+
+Exit codes: 0 success, 1 job failed (restart budget spent), 2 configuration error,
+128+N when stopped by signal N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from typing import Dict, List, Optional
+
+from ckptrun import protocol as P
+from ckptrun.config import AgentConfig
+from ckptrun.events import EventLog, ensure_run_dir, write_json_atomic
+from ckptrun.hang import HangDetector, dump_stacks
+from ckptrun.reaper import Reaper, unlink_shm
+from ckptrun.rendezvous import FAILED, FATAL, RUN, Epoch, JobCoordinator, Rendezvous
+from ckptrun.workers import (Worker, WorkerLauncher, agent_base_env, stop_workers,
+                             torchrun_env)
+
+
+class AgentSignal(Exception):
+    """Raised in the main thread by the agent's signal handler."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _config_error(cfg: AgentConfig) -> Optional[str]:
+    if cfg.nproc_per_node < 1:
+        return f"--nproc-per-node must be >= 1, got {cfg.nproc_per_node}"
+    if cfg.min_nodes < 1 or cfg.max_nodes < cfg.min_nodes:
+        return f"invalid --nnodes {cfg.min_nodes}:{cfg.max_nodes}"
+    if cfg.max_restarts < 0:
+        return "--max-restarts must be >= 0"
+    if cfg.module and cfg.no_python:
+        return "Don't use both the '--no-python' flag and the '--module' flag at the same time."
+    if not cfg.run_dir:
+        return "run_dir is not set"
+    return None
+
+
+def node_memory(job_token: str, num_slots: int):
+    """The memory tier's agent-side view, or None until ``ckptrun/memory.py`` exists."""
+    try:
+        from ckptrun.memory import NodeMemory
+    except ImportError:
+        return None
+    return NodeMemory(job_token, num_slots)
+
+
+def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
+                   forced_step: Optional[int] = None) -> Dict[str, object]:
+    """The ``CKPTRUN_RESTORE`` value for this attempt: the newest step every rank of the job
+    has in memory (agreed across nodes), after dropping newer slots of an abandoned timeline.
+
+    Hook for the other tiers: when memory has nothing, peers (replication) and then durable
+    storage (persister / ``--resume-from``) are asked here, in that order.
+    """
+    local = memory.common_step(ranks) if memory is not None and attempt > 0 else None
+    if forced_step is not None and local is not None:
+        local = min(local, forced_step)
+    step = coord.agree_restore_step(attempt, local)
+    if step is not None and step > 0:
+        memory.discard_newer(ranks, step)
+        return {"step": step, "tier": "memory"}
+    return {"step": 0}
+
+
+class Agent:
+    """One node's supervisor; see the module docstring."""
+
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.run_dir = ensure_run_dir(cfg.run_dir)
+        self.events = EventLog(self.run_dir)
+        self.token = secrets.token_hex(6)  # distinct per agent: two agents on one host
+        self.hang = HangDetector(cfg.hang_timeout)
+        self.workers: List[Worker] = []
+        self.failures: List[dict] = []
+        self.state = "starting"
+        self.epoch = Epoch(0, 0)
+        self.restore: Dict[str, object] = {"step": 0}
+        self.restored_emitted = False
+        self._last_status = 0.0
+
+    # -- top level -----------------------------------------------------------------------
+    def run(self) -> int:
+        code = 1
+        self.reaper = Reaper(self.token)
+        self.control = P.ControlBlock(P.control_path(self.token), self.cfg.nproc_per_node,
+                                      create=True)
+        self.memory = node_memory(self.token, self.cfg.num_slots)
+        base = agent_base_env(self.cfg)
+        warm = os.environ.get("CKPTRUN_WARM_SPARES", "1") != "0"
+        delay = float(os.environ.get("CKPTRUN_SPARE_DELAY", "3"))
+        self.launcher = WorkerLauncher(self.cfg, base, spares=warm, spare_delay=delay,
+                                       on_spawn=self.reaper.watch)
+        old = {s: signal.signal(s, self._on_signal) for s in _signals(self.cfg)}
+        try:
+            code = self._run()
+        except AgentSignal as e:
+            print(f"ckptrun: received {e}, stopping workers", file=sys.stderr)
+            code = 128 + e.signum
+        finally:
+            for s in old:
+                signal.signal(s, signal.SIG_IGN)  # a 2nd Ctrl-C must not cut the cleanup
+            self._shutdown(code)
+            for s, h in old.items():
+                signal.signal(s, h)
+        return code
+
+    def _on_signal(self, signum, frame) -> None:
+        raise AgentSignal(signum)
+
+    def _run(self) -> int:
+        cfg = self.cfg
+        self.rdzv = Rendezvous(cfg)
+        self.info = self.rdzv.join()
+        self.coord = JobCoordinator(self.info.store, self.info.group_rank,
+                                    self.info.group_world_size, cfg.max_restarts)
+        self.epoch = self.coord.init()
+        self.events.emit("start", nnodes=self.info.group_world_size,
+                         nproc_per_node=cfg.nproc_per_node, node=self.info.group_rank,
+                         run_id=self.info.run_id, job_token=self.token)
+        while True:
+            if self.epoch.state == FAILED:
+                return 1
+            if self.epoch.state == FATAL:
+                return 2
+            self._start_group()
+            outcome = self._supervise()
+            self._stop_group()
+            if outcome == "done":
+                self.coord.exit_barrier(self.epoch.attempt)
+                return 0
+            self.epoch = outcome
+            if self.epoch.state == RUN:
+                self.state = "restarting"
+                self.events.emit("restart", attempt=self.epoch.attempt,
+                                 restarts=self.epoch.restarts)
+
+    # -- one attempt ---------------------------------------------------------------------
+    def _ranks(self) -> List[int]:
+        base = self.info.group_rank * self.cfg.nproc_per_node
+        return [base + lr for lr in range(self.cfg.nproc_per_node)]
+
+    def _slot_prefix(self, rank: int) -> str:
+        if self.memory is not None:
+            return self.memory.slot_prefix(rank)
+        return P.rank_slot_prefix(self.token, rank)
+
+    def _start_group(self) -> None:
+        cfg, info, attempt = self.cfg, self.info, self.epoch.attempt
+        self.restore = decide_restore(self.memory, self._ranks(), self.coord, attempt)
+        self.restored_emitted = False
+        port = self.coord.master_port(attempt, info)
+        logs = os.path.join(cfg.log_dir or os.path.join(self.run_dir, "logs"),
+                            f"attempt_{attempt}")
+        stacks = os.path.join(self.run_dir, "stacks")
+        os.makedirs(stacks, mode=0o700, exist_ok=True)
+        self.hang.reset()
+        self.workers = []
+        for lr, rank in enumerate(self._ranks()):
+            self.control.reset(lr)
+            rank_logs = os.path.join(logs, str(lr))
+            env = dict(self.launcher.base_env)
+            env.update(torchrun_env(
+                cfg, local_rank=lr, group_rank=info.group_rank,
+                group_world_size=info.group_world_size, master_addr=info.master_addr,
+                master_port=port, attempt=attempt, run_id=info.run_id,
+                use_agent_store=info.use_agent_store,
+                error_file=os.path.join(rank_logs, "error.json")))
+            env.update({
+                P.ENV_CONTROL: self.control.path, P.ENV_SLOT_PREFIX: self._slot_prefix(rank),
+                P.ENV_NUM_SLOTS: str(cfg.num_slots), P.ENV_RESTORE: json.dumps(self.restore),
+                P.ENV_RUN_DIR: self.run_dir,
+                P.ENV_STACKS_FILE: os.path.join(stacks, f"attempt_{attempt}-rank{rank}.txt"),
+            })
+            if cfg.persist_to:
+                env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
+            self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
+        self.launcher.schedule_spares()
+        self.state = "running"
+        self._write_status(force=True)
+
+    def _stop_group(self) -> None:
+        stop_workers(self.workers, self.cfg.shutdown_timeout)
+        for w in self.workers:
+            self.reaper.forget(w.pid)
+            path = os.path.join(self.run_dir, "stacks",
+                                f"attempt_{self.epoch.attempt}-rank{w.global_rank}.txt")
+            try:  # every bootstrap opens its stacks file; keep only real dumps
+                if os.path.getsize(path) == 0:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+    def _fail(self, w: Worker, **fields) -> None:
+        rec = {"time": time.time(), "rank": w.global_rank, "local_rank": w.local_rank,
+               "attempt": self.epoch.attempt, **fields}
+        self.failures = (self.failures + [rec])[-20:]
+
+    def _supervise(self):
+        """Watch the group until it is done ("done") or the epoch moves (new Epoch)."""
+        attempt, marked_done = self.epoch.attempt, False
+        while True:
+            time.sleep(self.cfg.monitor_interval)
+            self.launcher.tick()
+            codes = [w.proc.poll() for w in self.workers]
+            failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
+            if failed:
+                for w, c in failed:
+                    how = ({"signal": signal.Signals(-c).name} if c < 0 else {"exit_code": c})
+                    self.events.emit("worker_failed", rank=w.global_rank, attempt=attempt,
+                                     **how)
+                    self._fail(w, event="worker_failed", **how)
+                return self.coord.report_failure(attempt)
+            verdict = self._check_control(codes)
+            if verdict is not None:
+                return verdict
+            if all(c == 0 for c in codes) and not marked_done:
+                self.coord.mark_done(attempt)
+                marked_done = True
+            if marked_done and self.coord.all_done(attempt):
+                return "done"
+            epoch = self.coord.poll()
+            if epoch != self.epoch:
+                return epoch  # another node failed: restart here too
+            self._write_status()
+
+    def _check_control(self, codes) -> Optional[Epoch]:
+        now, restored = time.monotonic(), []
+        for w, code in zip(self.workers, codes):
+            rec = self.control.record(w.local_rank)
+            if rec["fatal"]:
+                self.events.emit("worker_failed", rank=w.global_rank, exit_code=2,
+                                 fatal=rec["fatal"])
+                self._fail(w, event="fatal", fatal=rec["fatal"])
+                return self.coord.report_fatal(self.epoch.attempt)
+            restored.append(rec)
+            if code is not None:
+                continue
+            self.hang.observe(w.local_rank, rec["beats"], rec["heartbeat"])
+            silent = self.hang.check(w.local_rank, rec["phase"], now)
+            if silent is not None:
+                self.events.emit("hang_detected", rank=w.global_rank,
+                                 seconds_silent=round(silent, 3), attempt=self.epoch.attempt)
+                self._fail(w, event="hang_detected", seconds_silent=round(silent, 3))
+                self._dump_stacks()
+                return self.coord.report_failure(self.epoch.attempt)
+        if not self.restored_emitted and all(r["restored_step"] >= 0 for r in restored):
+            self.restored_emitted = True
+            step = min(r["restored_step"] for r in restored)
+            if step > 0:  # restore() returning 0 means "nothing to restore"
+                self.events.emit("restored", step=step, tier=self.restore.get("tier", "memory"),
+                                 seconds=round(max(r["restore_s"] for r in restored), 4))
+        return None
+
+    def _dump_stacks(self) -> None:
+        stacks = os.path.join(self.run_dir, "stacks")
+        targets = []
+        for w in self.workers:
+            if w.proc.poll() is None:
+                path = os.path.join(stacks, f"attempt_{self.epoch.attempt}-rank{w.global_rank}.txt")
+                targets.append((w.pid, w.bootstrapped, path, path))
+        for path in dump_stacks(targets):
+            self.events.emit("stacks_dumped", path=path)
+
+    # -- status and shutdown -------------------------------------------------------------
+    def _write_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status < 0.5:
+            return
+        self._last_status = now
+        write_json_atomic(os.path.join(self.run_dir, "status.json"), self.status())
+
+    def status(self) -> dict:
+        """The ``status.json`` object (DESIGN §1 keys plus the agent's own)."""
+        cfg, now = self.cfg, time.monotonic()
+        info = getattr(self, "info", None)
+        workers, committed = [], []
+        for w in self.workers:
+            rec = self.control.record(w.local_rank)
+            code = w.proc.poll()
+            state = ("running" if code is None else "succeeded" if code == 0 else "failed")
+            workers.append({
+                "rank": w.global_rank, "local_rank": w.local_rank,
+                "node": info.group_rank if info else 0, "pid": w.pid, "state": state,
+                "step": rec["step"], "warm": w.warm,
+                "heartbeat_age_s": round(now - rec["heartbeat"], 3) if rec["beats"] else None,
+            })
+            committed.append(rec["committed_step"])
+        slots = {}
+        for w in self.workers:
+            prefix = self._slot_prefix(w.global_rank)
+            slots[str(w.global_rank)] = [p for p in (P.slot_path(prefix, k)
+                                                     for k in range(cfg.num_slots))
+                                         if os.path.exists(p)]
+        memory_step = min(committed) if committed and min(committed) >= 0 else None
+        return {
+            "run_id": info.run_id if info else cfg.rdzv_id, "state": self.state,
+            "restarts": self.epoch.restarts, "attempt": self.epoch.attempt,
+            "nnodes": info.group_world_size if info else cfg.min_nodes,
+            "nproc_per_node": cfg.nproc_per_node, "node": info.group_rank if info else 0,
+            "agent_pid": os.getpid(), "updated": time.time(), "job_token": self.token,
+            "persist_to": cfg.persist_to, "workers": workers,
+            "checkpoint": {"memory_step": memory_step, "peer_step": None,
+                           "persisted_step": None, "persisted_url": None},
+            "failures": self.failures, "slots": slots,
+            "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
+        }
+
+    def _shutdown(self, code: int) -> None:
+        try:
+            stop_workers(self.workers, self.cfg.shutdown_timeout)
+        finally:
+            self.launcher.close()
+            self.state = "succeeded" if code == 0 else "failed"
+            try:
+                self._write_status(force=True)
+            except Exception:
+                pass
+            self.events.emit("finished", exit_code=code)
+            if self.memory is not None:
+                self.memory.cleanup()
+            self.control.close()
+            unlink_shm(self.token)
+            self.reaper.close()
+            if hasattr(self, "rdzv"):
+                self.rdzv.shutdown()
+            self.events.close()
+
+
+def _signals(cfg: AgentConfig) -> List[int]:
+    names = [s.strip() for s in (cfg.signals_to_handle or "").split(",") if s.strip()]
+    sigs = {signal.SIGTERM, signal.SIGINT}
+    for n in names:
+        if hasattr(signal, n):
+            sigs.add(getattr(signal, n))
+    return sorted(sigs)
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    """Run one node's agent until the job ends; returns the process exit code."""
+    err = _config_error(cfg)
+    if err:
+        print(f"ckptrun: error: {err}", file=sys.stderr)
+        return 2
+    return Agent(cfg).run()

@@ -1,0 +1,137 @@
+"""Worker entry point: pay ``import torch`` before the worker is needed, then run the script.
+
+The agent starts ``python -u -m ckptrun.bootstrap --go-fd N``.  This process imports torch
+and warms the optimizer machinery (the first optimizer constructor costs about as much as
+the import), then blocks on the inherited pipe ``N`` for one JSON "go" message::
+
+    {"env": {...}, "argv": [...], "kind": "script"|"module", "target": ..., "cwd": ..., "nice": n}
+
+and then behaves like ``python script.py args`` / ``python -m module args``: same
+``os.environ``, ``sys.argv``, ``sys.path[0]``, ``__main__``, exit status and traceback.
+On a first start the message follows immediately; a warm spare waits (possibly minutes)
+until a restart needs it.  End of file without a message means "not needed": exit 0.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _read_go(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _warm_up() -> None:
+    """Import torch and run the code paths every training script hits first."""
+    import torch
+    import torch.distributed  # noqa: F401  (process groups, DDP)
+    import torch.nn  # noqa: F401
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    for opt_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        opt = opt_cls([p], lr=0.1)
+        p.grad = torch.ones(4)
+        opt.step()
+        opt.zero_grad()
+
+
+def _apply_env(env: dict, nice: int) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    if os.getpriority(os.PRIO_PROCESS, 0) != nice:
+        try:  # a niced spare becomes a full-priority worker (needs privilege to lower)
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except OSError:
+            pass
+
+
+def _register_stack_dump(path: str):
+    """SIGUSR1 -> all threads' stacks into ``path`` (works for a SIGSTOPped worker on SIGCONT)."""
+    try:
+        f = open(path, "w")
+    except OSError:
+        return None
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    return f
+
+
+def _user_traceback(tb):
+    """Drop the bootstrap's and runpy's frames, as plain ``python`` shows only the script's."""
+    import runpy
+
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    while tb is not None and (os.path.abspath(tb.tb_frame.f_code.co_filename) in skip
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return tb
+
+
+def _run(go: dict) -> None:
+    import runpy
+
+    argv = list(go["argv"])
+    os.chdir(go["cwd"])
+    if go["kind"] == "module":
+        sys.path[0] = os.getcwd()  # what ``python -m`` puts first
+        sys.argv = ["-m", *argv[1:]]  # runpy replaces argv[0] with the module's file
+        runpy.run_module(go["target"], run_name="__main__", alter_sys=True)
+    else:
+        script = go["target"]
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+        sys.argv = argv
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    go_fd = int(args[args.index("--go-fd") + 1])
+    if "--nice" in args:
+        os.nice(int(args[args.index("--nice") + 1]))
+    _warm_up()
+    raw = _read_go(go_fd)
+    if not raw:
+        sys.exit(0)  # a spare that was not needed
+    import json
+
+    go = json.loads(raw)
+    _apply_env(go["env"], go.get("nice", 0))
+    stacks = os.environ.get("CKPTRUN_STACKS_FILE")
+    if stacks:
+        _register_stack_dump(stacks)
+    del raw, args
+    try:
+        _run(go)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # like the interpreter: hook (traceback), then exit 1
+        sys.excepthook(type(exc), exc, _user_traceback(exc.__traceback__))
+        if isinstance(exc, KeyboardInterrupt):
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:  # the bootstrap itself failed (not the user's script)
+        traceback.print_exc()
+        sys.exit(1)

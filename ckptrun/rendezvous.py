@@ -1,0 +1,216 @@
+"""Rendezvous through torch's own handlers, and job-wide coordination through its store.
+
+:class:`Rendezvous` wraps ``torch.distributed.elastic.rendezvous`` (public API only:
+``RendezvousParameters``, ``registry.get_rendezvous_handler``, ``next_rendezvous``) and
+turns its result into this node's place in the job (group rank, master address/port).
+
+:class:`JobCoordinator` is the fast path for restarts when membership is unchanged: instead
+of a full re-rendezvous (torch's dynamic rendezvous polls with 1 s delays) every agent
+watches one key, the *epoch* ``"<attempt>:<restarts>:<state>"``.  A node whose workers fail
+moves it from attempt k to k+1 with ``compare_set``, so a failure in attempt k is counted
+exactly once however many nodes report it, and the restart budget is job-wide.  The attempt
+number is what workers get as ``TORCHELASTIC_RESTART_COUNT``: identical on every node and
+new for every attempt, so torch's agent-store namespace ``/worker/attempt_<k>`` never serves
+a previous attempt's keys.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, List, Optional
+
+from ckptrun.config import AgentConfig
+
+KEY_PREFIX = "ckptrun/"
+RUN, FAILED, FATAL = "run", "failed", "fatal"
+
+
+@dataclass
+class NodeInfo:
+    """This node's place in the job after a rendezvous."""
+
+    store: Any  # torch.distributed.Store shared by all agents of this round
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    use_agent_store: bool
+
+
+def resolve_rdzv(cfg: AgentConfig):
+    """torchrun's rules: ``--standalone`` and single-node static become c10d on localhost:0."""
+    backend, endpoint, run_id = cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.rdzv_id
+    configs = dict(cfg.rdzv_configs)
+    if cfg.standalone or (backend == "static" and not endpoint and cfg.master_port is None
+                          and cfg.max_nodes == 1):
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if backend == "static":
+        configs["rank"] = cfg.node_rank
+        if not endpoint:
+            endpoint = f"{cfg.master_addr}:{cfg.master_port or 29500}"
+    return backend, endpoint, run_id, configs
+
+
+class Rendezvous:
+    """A torch rendezvous handler for this agent."""
+
+    def __init__(self, cfg: AgentConfig):
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+        self.cfg = cfg
+        backend, endpoint, run_id, configs = resolve_rdzv(cfg)
+        self.backend = backend
+        params = RendezvousParameters(
+            backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **configs,
+        )
+        self.handler = rdzv_registry.get_rendezvous_handler(params)
+        self._static_master = None
+        if backend == "static":
+            host, _, port = endpoint.rpartition(":")
+            self._static_master = (host, int(port))
+
+    def join(self) -> NodeInfo:
+        """Run one round of torch's rendezvous (first start, or membership changed)."""
+        info = self.handler.next_rendezvous()
+        boot = info.bootstrap_store_info
+        addr, port = boot.master_addr, boot.master_port
+        if self._static_master is not None:  # torchrun: explicit master for static only
+            addr, port = self._static_master
+        return NodeInfo(info.store, info.rank, info.world_size, addr, int(port),
+                        self.handler.get_run_id(), bool(self.handler.use_agent_store))
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join (scale-up); 0 when the backend cannot tell."""
+        try:
+            return int(self.handler.num_nodes_waiting())
+        except Exception:
+            return 0
+
+    def shutdown(self) -> None:
+        try:
+            self.handler.shutdown()
+        except Exception:
+            pass  # the store host may already be gone at the very end
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """The job-wide restart state every agent watches."""
+
+    attempt: int
+    restarts: int
+    state: str = RUN
+
+    def encode(self) -> str:
+        return f"{self.attempt}:{self.restarts}:{self.state}"
+
+    @classmethod
+    def decode(cls, raw) -> Epoch:
+        a, r, s = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
+        return cls(int(a), int(r), s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class JobCoordinator:
+    """Job-wide epoch, restart budget, restore-step agreement and exit barrier."""
+
+    def __init__(self, store, group_rank: int, nnodes: int, max_restarts: int,
+                 timeout_s: float = 300.0):
+        self.store, self.group_rank, self.nnodes = store, group_rank, nnodes
+        self.max_restarts = max_restarts
+        self.timeout = timedelta(seconds=timeout_s)
+        self._key = KEY_PREFIX + "epoch"
+
+    def init(self) -> Epoch:
+        """The current epoch; the first agent to ask creates ``0:0:run``."""
+        return Epoch.decode(self.store.compare_set(self._key, "", Epoch(0, 0).encode()))
+
+    def poll(self) -> Epoch:
+        return Epoch.decode(self.store.get(self._key))
+
+    def _advance(self, seen_attempt: int, make) -> Epoch:
+        while True:
+            cur = self.poll()
+            if cur.attempt != seen_attempt or cur.state != RUN:
+                return cur  # someone else already moved on: not counted twice
+            new = make(cur)
+            got = Epoch.decode(self.store.compare_set(self._key, cur.encode(), new.encode()))
+            if got == new or got.attempt != seen_attempt or got.state != RUN:
+                return got
+
+    def report_failure(self, attempt: int) -> Epoch:
+        """Workers of ``attempt`` failed here: next attempt, or FAILED once the budget is spent."""
+        def nxt(cur: Epoch) -> Epoch:
+            spent = cur.restarts + 1 > self.max_restarts
+            return Epoch(cur.attempt + (0 if spent else 1), cur.restarts + (0 if spent else 1),
+                         FAILED if spent else RUN)
+
+        return self._advance(attempt, nxt)
+
+    def report_fatal(self, attempt: int) -> Epoch:
+        """An error a restart cannot fix: every agent stops with exit code 2."""
+        return self._advance(attempt, lambda cur: Epoch(cur.attempt, cur.restarts, FATAL))
+
+    def request_restart(self, attempt: int) -> Epoch:
+        """A restart that is not a failure (rollback): new attempt, budget untouched."""
+        return self._advance(attempt, lambda cur: Epoch(cur.attempt + 1, cur.restarts))
+
+    # -- per-attempt agreements ----------------------------------------------------------
+    def _gather(self, name: str, attempt: int, value: str) -> List[str]:
+        prefix = f"{KEY_PREFIX}{name}/{attempt}/"
+        self.store.set(prefix + str(self.group_rank), value)
+        keys = [prefix + str(g) for g in range(self.nnodes)]
+        self.store.wait(keys, self.timeout)
+        return [v.decode() for v in self.store.multi_get(keys)]
+
+    def agree_restore_step(self, attempt: int, local_step: Optional[int]) -> Optional[int]:
+        """The newest step every node can restore (min over nodes); None if one has none."""
+        if self.nnodes == 1:
+            return local_step
+        steps = [int(v) for v in self._gather("restore", attempt, str(
+            -1 if local_step is None else local_step))]
+        return None if min(steps) < 0 else min(steps)
+
+    def master_port(self, attempt: int, info: NodeInfo) -> int:
+        """Without the shared agent store the workers host their own TCPStore: a fresh port
+        per attempt (the old one may linger in TIME_WAIT), chosen by node 0."""
+        if info.use_agent_store or attempt == 0:
+            return info.master_port
+        key = f"{KEY_PREFIX}port/{attempt}"
+        if self.group_rank == 0:
+            self.store.compare_set(key, "", str(free_port()))
+        self.store.wait([key], self.timeout)
+        return int(self.store.get(key))
+
+    def mark_done(self, attempt: int) -> None:
+        """This node's workers all succeeded in ``attempt``."""
+        self.store.add(f"{KEY_PREFIX}done/{attempt}", 1)
+
+    def all_done(self, attempt: int) -> bool:
+        return self.store.add(f"{KEY_PREFIX}done/{attempt}", 0) >= self.nnodes
+
+    def exit_barrier(self, attempt: int, timeout_s: float = 30.0) -> None:
+        """Wait until every node knows the job is over before the store host leaves."""
+        if self.nnodes == 1:
+            return
+        key = f"{KEY_PREFIX}exit/{attempt}"
+        self.store.add(key, 1)
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self.store.add(key, 0) < self.nnodes and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            pass  # a node that counted itself already left and took the store with it
