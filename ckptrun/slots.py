@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -250,7 +251,10 @@ def read_slot(mm) -> Tuple[SlotHeader, Dict[str, Any], List[torch.Tensor]]:
         if nb == 0:
             views.append(torch.empty(shape, dtype=dt))
             continue
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nb, offset=h.data_offset + d["offset"])
+        with warnings.catch_warnings():  # readers map slots read-only on purpose
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=nb,
+                                   offset=h.data_offset + d["offset"])
         views.append((raw if dt == torch.uint8 else raw.view(dt)).view(shape))
     return h, meta, views
 

@@ -1,0 +1,151 @@
+"""NodeMemory: steps, verification, the restore decision, safe reads, materialisation, cleanup."""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+
+import pytest
+import torch
+
+from ckptrun import snapshot as S
+from ckptrun.memory import NodeMemory, SlotChanged
+from ckptrun.protocol import (
+    ControlBlock,
+    SlotHeader,
+    SlotState,
+    control_path,
+    open_shm_file,
+    set_slot_state,
+)
+
+
+@pytest.fixture
+def mem():
+    token = f"t{uuid.uuid4().hex[:10]}"
+    m = NodeMemory(token, num_slots=3)
+    yield m
+    m.cleanup()
+    assert not glob.glob(f"/dev/shm/ckptrun-{token}-*")
+
+
+def snap(step: int, rank: int = 0, n: int = 1000):
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    state = {"w": torch.randn(n, generator=g), "b": torch.randn(3, 3, generator=g).bfloat16(),
+             "step": step}
+    tree, items = S.flatten(state)
+    meta = S.make_meta(step, rank, 2, tree, items, [0] * len(items))  # write_slot lays out
+    return meta, [t for _, t in items]
+
+
+def slot_mm(mem, rank, step):
+    k = mem.steps(rank)[step]
+    return open_shm_file(f"{mem.slot_prefix(rank)}{k}")
+
+
+def test_steps_verify_and_common_step(mem):
+    for s in (3, 4, 5):
+        mem.write(0, *snap(s, 0), step=s)
+    for s in (2, 3, 4):
+        mem.write(1, *snap(s, 1), step=s)
+    assert sorted(mem.steps(0)) == [3, 4, 5] and sorted(mem.steps(1)) == [2, 3, 4]
+    assert mem.verify(0, 5) and mem.verify(1, 2) and not mem.verify(1, 5)
+    assert mem.common_step([0, 1]) == 4
+    assert mem.common_step([0]) == 5
+    assert mem.common_step([]) is None
+    assert len(mem.slot_paths(0)) == 3 and mem.total_bytes() > 6 * 4000
+
+
+def test_flipped_byte_fails_verify_and_is_skipped(mem):
+    for s in (3, 4):
+        for r in (0, 1):
+            mem.write(r, *snap(s, r), step=s)
+    assert mem.common_step([0, 1]) == 4
+    mm = slot_mm(mem, 1, 4)
+    h = SlotHeader.unpack_from(mm)
+    mm[h.data_offset + 1234] ^= 0x10  # one bit of one tensor of rank 1, step 4
+    mm.close()
+    assert not mem.verify(1, 4)
+    assert mem.verify(0, 4) and mem.verify(1, 3)
+    assert mem.common_step([0, 1]) == 3  # the corrupt copy is skipped, never used
+
+    mm = slot_mm(mem, 0, 3)  # a corrupt meta is caught too
+    mm[4096 + 5] ^= 1
+    mm.close()
+    assert not mem.verify(0, 3)
+    assert mem.common_step([0, 1]) is None
+
+
+def test_torn_write_is_ignored(mem):
+    mem.write(0, *snap(1), step=1)
+    mem.write(0, *snap(2), step=2)
+    k = mem.steps(0)[2]
+    mm = open_shm_file(f"{mem.slot_prefix(0)}{k}")
+    h = SlotHeader.unpack_from(mm)
+    set_slot_state(mm, SlotState.WRITING, 2, h.seq + 1)  # a worker died mid-copy
+    mm.close()
+    assert sorted(mem.steps(0)) == [1]
+    assert mem.common_step([0]) == 1
+    with pytest.raises(KeyError):
+        mem.read(0, 2)
+
+
+def test_discard_newer(mem):
+    for s in (5, 6, 7):
+        mem.write(0, *snap(s), step=s)
+    mem.discard_newer([0], 5)
+    assert sorted(mem.steps(0)) == [5]
+    assert mem.common_step([0]) == 5
+
+
+def test_read_copies_out_and_pins(mem):
+    token_ctl = control_path(mem.job_token)
+    block = ControlBlock(token_ctl, nranks=1, create=True)
+    meta, tensors = snap(9)
+    mem.write(0, meta, tensors, step=9)
+    seen = []
+
+    class Spy:
+        def set(self, lr, name, value):
+            seen.append((lr, name, value))
+            block.set(lr, name, value)
+
+    meta2, got = mem.read(0, 9, pin=(Spy(), 0))
+    assert seen == [(0, "pin", mem.steps(0)[9]), (0, "pin", -1)]
+    assert block.get(0, "pin") == -1
+    assert meta2["step"] == 9 and [d["path"] for d in meta2["tensors"]] == ["w", "b"]
+    for a, b in zip(tensors, got):
+        assert torch.equal(a, b)
+    assert S.unflatten(meta2["tree"], got)["step"] == 9
+    # the copy is private: rewriting the slot does not change it
+    mm = slot_mm(mem, 0, 9)
+    h = SlotHeader.unpack_from(mm)
+    mm[h.data_offset:h.data_offset + 64] = bytes(64)
+    mm.close()
+    assert torch.equal(got[0], tensors[0])
+    block.close()
+
+
+def test_read_detects_a_slot_rewritten_under_it(mem):
+    mem.write(0, *snap(4), step=4)
+    with pytest.raises(SlotChanged):
+        with mem.pinned(0, 4) as (meta, views):
+            assert meta["step"] == 4 and views[0].numel() == 1000
+            mm = slot_mm(mem, 0, 4)
+            h = SlotHeader.unpack_from(mm)
+            set_slot_state(mm, SlotState.WRITING, 4, h.seq + 1)  # the worker started a write
+            set_slot_state(mm, SlotState.COMMITTED, 4)
+            mm.close()
+
+
+def test_write_grows_a_small_slot_and_round_trips(mem):
+    mem.write(0, *snap(1, n=10), step=1)
+    meta, tensors = snap(2, n=200_000)
+    for _ in range(2):
+        mem.write(0, *snap(3, n=10), step=3)
+    k = mem.write(0, meta, tensors, step=2)
+    assert mem.steps(0)[2] == k and mem.verify(0, 2)
+    m2, got = mem.read(0, 2)
+    assert torch.equal(got[0], tensors[0]) and m2["rank"] == 0
+    assert os.path.getsize(f"{mem.slot_prefix(0)}{k}") >= 800_000
