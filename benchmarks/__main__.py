@@ -1,0 +1,128 @@
+"""``python -m benchmarks [--quick] [--sizes 256M,1G] [--reps N] [--out FILE.json]``.
+
+Runs every registered section in one process, prints rich tables, writes one JSON file
+(default ``benchmarks/results/<host>-<date>.json``) and, with ``--update-doc``, rewrites
+the generated part of ``docs/performance.md`` from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime
+from typing import List, Optional
+
+import torch
+
+from benchmarks import SECTION_MODULES, SECTIONS, Context, parse_size
+from benchmarks.report import print_rich
+
+QUICK_SIZES = "256M"
+FULL_SIZES = "256M,1G"
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 3 reps (< 5 min)")
+    ap.add_argument("--sizes", help=f"comma list, e.g. 8M,256M,1G (default {FULL_SIZES})")
+    ap.add_argument("--reps", type=int, help="repetitions per measurement (default 5, quick 3)")
+    ap.add_argument("--only", help="comma list of sections to run (default: all)")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/<host>-<date>.json)")
+    ap.add_argument("--tmpdir", default=tempfile.gettempdir(), help="local-disk scratch dir")
+    ap.add_argument("--target", help="fsspec URL for the fsspec write limit (default file://<tmpdir>)")
+    ap.add_argument("--iteration-s", type=float, default=1.0,
+                    help="goodput input: training iteration time (assumed, not measured)")
+    ap.add_argument("--failure-rate", type=float, default=0.015,
+                    help="goodput input: machine failures per machine per day (GEMINI: 0.015)")
+    ap.add_argument("--replicas", type=int, default=2, help="goodput input: GEMINI's m")
+    ap.add_argument("--restart-s", type=float,
+                    help="goodput input: restart overhead (default: measured cold torch import)")
+    ap.add_argument("--persist-interval-s", type=float, default=600.0,
+                    help="goodput input: ckptrun's durable fallback interval")
+    ap.add_argument("--shared-storage", action="store_true",
+                    help="goodput: the measured storage bandwidth is shared by all machines")
+    ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",
+                    help="rewrite the generated part of docs/performance.md from this run")
+    ap.add_argument("--no-print", action="store_true", help="do not print tables")
+    return ap.parse_args(argv)
+
+
+def default_out() -> str:
+    host = socket.gethostname().split(".")[0] or "host"
+    return os.path.join("benchmarks", "results", f"{host}-{datetime.now():%Y%m%d-%H%M%S}.json")
+
+
+def run(argv: Optional[List[str]] = None) -> dict:
+    """Run the benchmarks; return the results dict (also written to ``--out``)."""
+    args = parse_args(argv)
+    sizes_text = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    sizes = sorted(parse_size(s) for s in sizes_text.split(",") if s.strip())
+    reps = args.reps or (3 if args.quick else 5)
+    for mod in SECTION_MODULES:
+        importlib.import_module(mod)
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    ctx = Context(sizes=sizes, reps=reps, quick=args.quick, tmpdir=args.tmpdir,
+                  target=args.target or f"file://{os.path.abspath(args.tmpdir)}",
+                  time_budget_s=150.0 if args.quick else 1200.0,
+                  options={"iteration_s": args.iteration_s, "failure_rate": args.failure_rate,
+                           "replicas": args.replicas, "restart_s": args.restart_s,
+                           "persist_interval_s": args.persist_interval_s,
+                           "storage_shared": args.shared_storage})
+    started = time.monotonic()
+    results: dict = {"meta": {
+        "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "host": socket.gethostname(), "date": datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "sizes": sizes, "reps": reps, "quick": args.quick, "target": ctx.target,
+    }, "sections": {}}
+    for name, sec in SECTIONS.items():
+        if only and name not in only:
+            continue
+        t0 = time.monotonic()
+        entry: dict = {"title": sec.title, "note": sec.note, "columns": [list(c) for c in sec.columns]}
+        try:
+            entry["rows"] = sec.fn(ctx)
+        except Exception as exc:  # one broken section must not lose the others' numbers
+            entry["rows"] = []
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        entry["seconds"] = time.monotonic() - t0
+        ctx.results[name] = entry["rows"]
+        results["sections"][name] = entry
+    results["meta"]["wall_s"] = time.monotonic() - started
+    if "goodput_inputs" in ctx.options:
+        results["meta"]["goodput_inputs"] = ctx.options["goodput_inputs"]
+    out = args.out or default_out()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    results["meta"]["out"] = out
+    if not args.no_print:
+        print_rich(results)
+        print(f"results: {out}")
+    if args.update_doc:
+        from benchmarks.report import update_doc
+
+        update_doc(results, args.update_doc)
+        print(f"updated: {args.update_doc}")
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    results = run(argv)
+    return 1 if any(s.get("error") for s in results["sections"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
