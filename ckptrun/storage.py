@@ -1,24 +1,19 @@
 """The durable tier: ``<url>/step-<N>/`` in ``torch.distributed.checkpoint`` (DCP) format.
 
-Layout of one persisted step (any fsspec URL: plain path, ``file://``, ``s3://``, ``memory://``)::
-
-    step-<N>/__<node>_<k>.distcp   tensors, written by DCP's own storage writer (torch.save per tensor)
-    step-<N>/.metadata             DCP's global metadata, so plain ``dcp.load`` reads the step
-    step-<N>/ckptrun.json          our JSON index, written LAST: a step without it does not exist
-
-DCP keys are ``rank<r>/<path>`` for tensors plus ``rank<r>/__ckptrun_meta__`` (a uint8 tensor
-holding the snapshot's JSON meta), so the checkpoint is tensors only.  Reading back never
-unpickles anything: ``ckptrun.json`` gives the file, offset and length of every tensor, each
-byte range goes through ``torch.load(..., weights_only=True)`` and its xxh3 checksum is verified.
-
-Writing is split so parts can come from several machines: every node calls :func:`write_parts`
-for its own ranks (files prefixed ``__<node>_``) and returns a JSON-able part description; one
-process calls :func:`finalize` with all parts to write ``.metadata`` and ``ckptrun.json``.
-:func:`write_step` does both for the single-node case.
+A step directory (any fsspec URL) holds ``__<node>_<k>.distcp`` (tensors, written by DCP's own
+storage writer), DCP's ``.metadata`` (so plain ``dcp.load`` reads it without ckptrun) and
+``ckptrun.json``, our JSON index, written LAST: a step without it does not exist.  DCP keys
+are ``rank<r>/<path>`` plus ``rank<r>/__ckptrun_meta__`` (uint8 tensor of the snapshot's JSON
+meta): tensors only.  Reading back never unpickles: the index gives each tensor's file,
+offset and length; each byte range goes through ``torch.load(weights_only=True)`` and its
+xxh3 checksum is verified.  Writing is split for multi-node jobs: each node calls
+:func:`write_parts` (its own ``__<node>_`` files, returns JSON-able :data:`PartInfo`), one
+process calls :func:`finalize`; :func:`write_step` does both on a single node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -44,9 +39,6 @@ class StorageError(Exception):
     """A durable-storage problem, with a one-line message fit for the command line."""
 
 
-# --------------------------------------------------------------------------- paths
-
-
 def _fs(url: str):
     """``(filesystem, path)`` for ``url``; local paths become absolute."""
     from fsspec.core import url_to_fs
@@ -55,8 +47,7 @@ def _fs(url: str):
         fs, path = url_to_fs(str(url))
     except (ValueError, ImportError) as e:  # unknown protocol or its package missing
         raise StorageError(f"unsupported storage URL {url}: {_one_line(e)}") from e
-    if _is_local(fs):
-        path = os.path.abspath(path)
+    path = os.path.abspath(path) if _is_local(fs) else path
     return fs, path.rstrip("/") or "/"
 
 
@@ -65,21 +56,20 @@ def _is_local(fs) -> bool:
     return proto in ("file", "local")
 
 
-def _unstrip(fs, path: str) -> str:
-    return path if _is_local(fs) else fs.unstrip_protocol(path)
-
-
 def step_url(url: str, step: int) -> str:
     """URL of the DCP directory of ``step`` under the persist root ``url``."""
     return f"{str(url).rstrip('/')}/step-{int(step)}"
 
 
+def _step_dir(url: str, step: Optional[int]):
+    """``(fs, directory)``: ``url/step-<step>``, or ``url`` itself when ``step`` is None."""
+    fs, root = _fs(url)
+    return fs, root if step is None else posixpath.join(root, f"step-{int(step)}")
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-# --------------------------------------------------------------------------- tensors
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -100,23 +90,16 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def _storage_info(relative_path: str, offset: int, length: int):
-    """DCP's per-item storage record.
-
-    DCP has no public constructor for it: ``.metadata`` must hold ``_StorageInfo`` objects for
-    ``FileSystemReader`` to find each tensor, so this is the one place we touch a private name.
-    """
+    """DCP's per-item storage record: ``.metadata`` must hold ``_StorageInfo`` objects for
+    ``FileSystemReader`` to find a tensor; there is no public constructor (the one private use)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
 
 
 def _writer(fs, path: str, threads: int):
-    """DCP storage writer for a step directory.
-
-    Local paths use ``FileSystemWriter`` (real fsync).  ``FsspecWriter`` falls back to a
-    machine-wide ``os.sync()`` on streams without ``fileno`` (S3...), so sync is off there:
-    object stores are durable once the upload completes.
-    """
+    """DCP writer: local ``FileSystemWriter`` (real fsync) or ``FsspecWriter`` without sync
+    (it would fall back to a machine-wide ``os.sync()``; an object store is durable on upload)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     if _is_local(fs):
@@ -125,42 +108,17 @@ def _writer(fs, path: str, threads: int):
     # (dcp.save/load pick the same class themselves for URL checkpoint ids).
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(_unstrip(fs, path), sync_files=False, thread_count=threads, overwrite=True)
+    return FsspecWriter(fs.unstrip_protocol(path), sync_files=False, thread_count=threads, overwrite=True)
 
 
-def _planner_class():
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    class ChecksumPlanner(DefaultSavePlanner):
-        """Hashes each tensor right before DCP writes it (in the writer's own threads)."""
-
-        checksums: Dict[str, str]
-
-        def resolve_data(self, write_item):
-            obj = super().resolve_data(write_item)
-            if isinstance(obj, torch.Tensor):
-                self.checksums[write_item.index.fqn] = checksum(obj.contiguous())
-            return obj
-
-    return ChecksumPlanner
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def write_parts(
-    url: str, step: int, snapshots: Dict[int, Snapshot], node: int = 0, threads: int = 1
-) -> PartInfo:
-    """Write one node's ranks of ``step`` into ``<url>/step-<step>/`` as DCP data files.
-
-    ``snapshots`` maps global rank -> ``(meta, tensors)``.  Returns a JSON-able part description
-    for :func:`finalize`.  The step stays invisible (no ``ckptrun.json``) until finalized.
-    """
+def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int = 0,
+                threads: int = 1, standalone: bool = False) -> PartInfo:
+    """Write one node's ranks (``{rank: (meta, tensors)}``) of ``step`` as DCP data files into
+    ``<url>/step-<step>/`` (``standalone``: into ``url`` itself, for exports).  Returns the
+    JSON-able part for :func:`finalize`; the step stays invisible until finalized."""
     t0 = time.monotonic()
-    fs, root = _fs(url)
-    sdir = posixpath.join(root, f"step-{int(step)}")
+    fs, sdir = _step_dir(url, None if standalone else step)
     state: Dict[str, torch.Tensor] = {}
-    described: Dict[str, Dict[str, Any]] = {}
     for rank, (meta, tensors) in sorted(snapshots.items()):
         descs = meta.get("tensors", [])
         if len(descs) != len(tensors):
@@ -168,60 +126,43 @@ def write_parts(
         for d, t in zip(descs, tensors):
             if d["path"] == META_KEY:
                 raise StorageError(f"rank {rank}: tensor path {META_KEY!r} is reserved")
-            key = f"rank{rank}/{d['path']}"
-            state[key] = t.detach().cpu().contiguous()
-            described[key] = {"path": d["path"]}
+            state[f"rank{rank}/{d['path']}"] = t.detach().cpu().contiguous()
         raw = json.dumps(meta, separators=(",", ":")).encode()
         state[f"rank{rank}/{META_KEY}"] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    # A rewrite of the same step must never look complete half-way through.
-    try:
-        fs.rm(posixpath.join(sdir, INDEX_NAME))
-    except (FileNotFoundError, OSError):
-        pass
-    planner = _planner_class()()
-    planner.checksums = {}
-    writer = _writer(fs, sdir, max(1, threads))
+    _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # a rewrite never looks complete midway
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    sums = {key: checksum(t) for key, t in state.items()}
+    planner, writer = DefaultSavePlanner(), _writer(fs, sdir, max(1, threads))
     planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
     # use_collectives=False + rank=node gives this node's files their own "__<node>_" prefix.
     writer.set_up_storage_writer(True, rank=int(node), use_collectives=False)
-    plan = writer.prepare_local_plan(planner.create_local_plan())
-    plan = planner.finish_plan(plan)
+    plan = planner.finish_plan(writer.prepare_local_plan(planner.create_local_plan()))
     results = writer.write_data(plan, planner).wait()
     ranks: Dict[str, Dict[str, Any]] = {str(r): {"meta": None, "tensors": []} for r in snapshots}
     by_key = {r.index.fqn: r for r in results}
     total = 0
     for key, t in state.items():
-        res = by_key[key]
-        info = res.storage_data
+        info = by_key[key].storage_data
         entry = {"key": key, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
                  "nbytes": t.numel() * t.element_size(), "file": info.relative_path,
-                 "offset": int(info.offset), "length": int(info.length),
-                 "checksum": planner.checksums[key]}
+                 "offset": int(info.offset), "length": int(info.length), "checksum": sums[key]}
         total += entry["length"]
         rank_s, _, path = key.partition("/")
         slot = ranks[rank_s[len("rank"):]]
         if path == META_KEY:
             slot["meta"] = entry
         else:
-            entry["path"] = described[key]["path"]
-            slot["tensors"].append(entry)
+            slot["tensors"].append(dict(entry, path=path))
     return {"node": int(node), "step": int(step), "ranks": ranks, "bytes": total,
             "seconds": time.monotonic() - t0}
 
 
-def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int) -> Dict[str, Any]:
-    """Make ``step`` visible: write DCP's ``.metadata`` then ``ckptrun.json`` (last).
-
-    ``parts`` are the :func:`write_parts` results of every node; together they must cover
-    ranks ``0..world_size-1`` exactly once.  Returns the index written to ``ckptrun.json``.
-    """
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int,
+             standalone: bool = False) -> Dict[str, Any]:
+    """Make ``step`` visible: DCP's ``.metadata``, then ``ckptrun.json`` (returned) last.
+    ``parts`` (every node's :func:`write_parts`) must cover ranks ``0..world_size-1`` once."""
+    from torch.distributed.checkpoint import metadata as md
     from torch.distributed.checkpoint.storage import WriteResult
 
     import ckptrun
@@ -242,19 +183,18 @@ def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int) ->
         for e in [ranks[r]["meta"], *ranks[r]["tensors"]]:
             size = torch.Size(e["shape"])
             zero = torch.Size([0] * len(size))
-            sd_md[e["key"]] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_dtype(e["dtype"])), size=size,
-                chunks=[ChunkStorageMetadata(offsets=zero, sizes=size)])
+            sd_md[e["key"]] = md.TensorStorageMetadata(
+                properties=md.TensorProperties(dtype=_dtype(e["dtype"])), size=size,
+                chunks=[md.ChunkStorageMetadata(offsets=zero, sizes=size)])
             planner_data[e["key"]] = (e["key"],)
-            results.append(WriteResult(index=MetadataIndex(e["key"], zero, 0),
+            results.append(WriteResult(index=md.MetadataIndex(e["key"], zero, 0),
                                        size_in_bytes=e["length"],
                                        storage_data=_storage_info(e["file"], e["offset"], e["length"])))
             files[e["file"]] = max(files.get(e["file"], 0), e["offset"] + e["length"])
-    fs, root = _fs(url)
-    sdir = posixpath.join(root, f"step-{int(step)}")
+    fs, sdir = _step_dir(url, None if standalone else step)
     writer = _writer(fs, sdir, 1)
     writer.set_up_storage_writer(True)  # collective layout: one global ".metadata"
-    writer.finish(Metadata(state_dict_metadata=sd_md, planner_data=planner_data), [results])
+    writer.finish(md.Metadata(state_dict_metadata=sd_md, planner_data=planner_data), [results])
     index = {
         "format": FORMAT, "step": int(step), "world_size": int(world_size), "time": time.time(),
         "ckptrun_version": ckptrun.__version__, "torch_version": torch.__version__,
@@ -267,15 +207,13 @@ def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int) ->
 
 
 def write_step(url: str, step: int, snapshots: Dict[int, Snapshot], world_size: int,
-               threads: int = 1) -> Dict[str, Any]:
-    """Single-node persist of ``step``: all ranks of the job in ``snapshots``.
-
-    Returns ``{"bytes": written, "seconds": elapsed, "url": step URL}``.
-    """
+               threads: int = 1, standalone: bool = False) -> Dict[str, Any]:
+    """Single-node persist of all ranks of ``step``; returns ``{bytes, seconds, url}``."""
     t0 = time.monotonic()
-    part = write_parts(url, step, snapshots, node=0, threads=threads)
-    index = finalize(url, step, [part], world_size)
-    return {"bytes": index["bytes"], "seconds": time.monotonic() - t0, "url": step_url(url, step)}
+    part = write_parts(url, step, snapshots, node=0, threads=threads, standalone=standalone)
+    index = finalize(url, step, [part], world_size, standalone=standalone)
+    return {"bytes": index["bytes"], "seconds": time.monotonic() - t0,
+            "url": str(url) if standalone else step_url(url, step)}
 
 
 def _put_atomic(fs, path: str, data: bytes) -> None:
@@ -296,34 +234,37 @@ def _put_atomic(fs, path: str, data: bytes) -> None:
         os.close(dfd)
 
 
-# --------------------------------------------------------------------------- reading
+def _rm_quiet(fs, path: str) -> None:
+    with contextlib.suppress(OSError):  # FileNotFoundError included
+        fs.rm(path)
 
 
-def read_index(url: str, step: int) -> Optional[Dict[str, Any]]:
-    """``ckptrun.json`` of ``step`` (``None`` when the step is missing or incomplete)."""
-    fs, root = _fs(url)
-    path = posixpath.join(root, f"step-{int(step)}", INDEX_NAME)
+def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
+    """``ckptrun.json`` of ``step``, ``None`` if missing/incomplete (``step=None``: ``url`` is the
+    step directory itself, any step accepted)."""
+    fs, sdir = _step_dir(url, step)
+    path = posixpath.join(sdir, INDEX_NAME)
     try:
         index = json.loads(fs.cat_file(path))
     except (FileNotFoundError, ValueError):
         return None
     except OSError as e:
         raise StorageError(f"cannot read {path}: {_one_line(e)}") from e
-    ok = isinstance(index, dict) and index.get("format") == FORMAT and index.get("step") == step
+    ok = isinstance(index, dict) and index.get("format") == FORMAT \
+        and (step is None or index.get("step") == step)
     return index if ok else None
 
 
-def read_rank(url: str, step: int, rank: int, verify: bool = True) -> Snapshot:
-    """One rank's ``(meta, tensors)`` of a persisted step, checksums verified."""
+def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True) -> Snapshot:
+    """One rank's ``(meta, tensors)``, checksums verified (``step=None``: ``url`` is the step dir)."""
     index = read_index(url, step)
     if index is None:
         raise StorageError(f"step {step} is not a complete checkpoint in {url}")
     entry = index["ranks"].get(str(rank))
     if entry is None:
         raise StorageError(f"step {step} in {url} has no rank {rank} (world size {index['world_size']})")
-    fs, root = _fs(url)
-    loaded = _read_entries(fs, posixpath.join(root, f"step-{int(step)}"),
-                           [entry["meta"], *entry["tensors"]], verify)
+    fs, sdir = _step_dir(url, step)
+    loaded = _read_entries(fs, sdir, [entry["meta"], *entry["tensors"]], verify)
     meta = json.loads(bytes(loaded[0].numpy()))
     return meta, loaded[1:]
 
@@ -361,19 +302,9 @@ def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) ->
 
 def list_steps(url: str) -> List[Dict[str, Any]]:
     """Complete persisted steps, oldest first: ``{step, url, bytes, time, world_size}``."""
-    fs, root = _fs(url)
-    try:
-        names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True)]
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise StorageError(f"cannot list {url}: {_one_line(e)}") from e
     steps = []
-    for name in names:
-        m = _STEP_RE.match(name)
-        if not m:
-            continue
-        index = read_index(url, int(m.group(1)))
+    for s in _step_dirs(url):
+        index = read_index(url, s)
         if index is not None:
             steps.append({"step": index["step"], "url": step_url(url, index["step"]),
                           "bytes": index["bytes"], "time": index["time"],
@@ -381,44 +312,38 @@ def list_steps(url: str) -> List[Dict[str, Any]]:
     return sorted(steps, key=lambda s: s["step"])
 
 
-def _step_dirs(fs, root: str) -> List[int]:
+def _step_dirs(url: str) -> List[int]:
+    """Numbers of all ``step-<N>`` directories under ``url``, complete or not."""
+    fs, root = _fs(url)
     try:
         names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True)]
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise StorageError(f"cannot list {url}: {_one_line(e)}") from e
     return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
 
 
 def newest_step(url: str) -> Optional[int]:
     """Newest complete persisted step under ``url``, or ``None``."""
-    steps = list_steps(url)
-    return steps[-1]["step"] if steps else None
+    return max((s["step"] for s in list_steps(url)), default=None)
 
 
 def prune(url: str, keep: int) -> List[int]:
-    """Delete all but the ``keep`` newest complete steps (``keep <= 0``: keep all).
-
-    Incomplete step directories older than the newest complete step are debris of an
-    interrupted persist and go too; newer ones may be in flight and stay.  Returns the
-    removed step numbers.
-    """
+    """Delete all but the ``keep`` newest complete steps (``keep <= 0``: keep all); returns them.
+    Incomplete step dirs older than the newest complete one are debris of an interrupted
+    persist and go too; newer ones may be in flight and stay."""
     fs, root = _fs(url)
     complete = [s["step"] for s in list_steps(url)]
     if not complete:
         return []
     doomed = set(complete[:-keep] if keep > 0 else [])
-    doomed |= {s for s in _step_dirs(fs, root) if s < complete[-1] and s not in complete}
+    doomed |= {s for s in _step_dirs(url) if s < complete[-1] and s not in complete}
     for s in sorted(doomed):
         sdir = posixpath.join(root, f"step-{s}")
-        try:
-            fs.rm(posixpath.join(sdir, INDEX_NAME))  # invisible first, then gone
-        except (FileNotFoundError, OSError):
-            pass
+        _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # invisible first, then gone
         fs.rm(sdir, recursive=True)
     return sorted(doomed)
-
-
-# --------------------------------------------------------------------------- checks
 
 
 def check_writable(url: str, timeout: float = 30.0) -> None:
@@ -437,52 +362,37 @@ def check_writable(url: str, timeout: float = 30.0) -> None:
 
     t = threading.Thread(target=probe, name="ckptrun-storage-probe", daemon=True)
     t.start()
-    t.join(timeout)
+    t.join(timeout)  # an unreachable endpoint may retry for minutes: don't wait for it
     if t.is_alive():
         raise StorageError(f"persist target {url} did not answer within {timeout:.0f}s")
     if error:
-        e = error[0]
-        msg = str(e) if isinstance(e, StorageError) else _one_line(e)
+        msg = str(error[0]) if isinstance(error[0], StorageError) else _one_line(error[0])
         raise StorageError(f"persist target {url} is not writable: {msg}")
 
 
 def resolve(url: str) -> Tuple[str, int]:
-    """``(root, step)`` for a persist root (newest step) or a ``.../step-<N>`` URL."""
+    """``(step dir URL, step)`` for a step dir/export or a persist root (its newest step);
+    read it with ``read_rank(dir_url, None, rank)``."""
     base = str(url).rstrip("/")
-    m = _STEP_RE.match(posixpath.basename(base))
-    if m and read_index(posixpath.dirname(base) or ".", int(m.group(1))) is not None:
-        return posixpath.dirname(base), int(m.group(1))
+    index = read_index(base, None)
+    if index is not None:
+        return base, int(index["step"])
     step = newest_step(base)
     if step is None:
         raise StorageError(f"{url} holds no complete ckptrun checkpoint")
-    return base, step
+    return step_url(base, step), step
 
 
 def is_checkpoint(url: str) -> bool:
     """True if ``url`` is a complete step directory or a root holding one."""
-    try:
-        resolve(url)
-    except StorageError:
-        return False
-    return True
+    with contextlib.suppress(StorageError):
+        return bool(resolve(url))
+    return False
 
 
-def load_torch_state(url: str, step: int, rank: int) -> Dict[str, Any]:
-    """A rank's state for export: nested via ``snapshot.unflatten`` when available.
+def load_torch_state(url: str, step: Optional[int], rank: int) -> Any:
+    """A rank's nested state (``snapshot.unflatten``); may hold numpy/plain data (RNG states)."""
+    from ckptrun.snapshot import unflatten
 
-    Falls back to a flat ``{path: tensor}`` dict (plus ``"__ckptrun_meta__"`` JSON text is
-    left out: everything returned is loadable with ``weights_only=True``).
-    """
     meta, tensors = read_rank(url, step, rank)
-    return state_from_snapshot(meta, tensors)
-
-
-def state_from_snapshot(meta: Dict[str, Any], tensors: List[torch.Tensor]) -> Dict[str, Any]:
-    """Nested state (``ckptrun.snapshot.unflatten``) or, without it, ``{path: tensor}``."""
-    try:
-        from ckptrun.snapshot import unflatten
-    except ImportError:
-        unflatten = None
-    if unflatten is not None:
-        return unflatten(meta["tree"], tensors)
-    return {d["path"]: t for d, t in zip(meta["tensors"], tensors)}
+    return unflatten(meta["tree"], tensors)

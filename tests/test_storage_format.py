@@ -68,8 +68,9 @@ def test_roundtrip_and_listing(tmp_path, scheme):
     assert index["world_size"] == 2 and set(index["ranks"]) == {"0", "1"}
     assert all(len(e["checksum"]) == 16 for e in index["ranks"]["0"]["tensors"])
     assert storage.is_checkpoint(url) and storage.is_checkpoint(url + "/step-7")
-    assert storage.resolve(url + "/step-7") == (url, 7)
-    assert storage.resolve(url) == (url, 9)
+    assert storage.resolve(url + "/step-7") == (url + "/step-7", 7)
+    assert storage.resolve(url) == (url + "/step-9", 9)
+    assert_same(storage.read_rank(url + "/step-7", None, 0), snaps[0])
 
 
 def test_plain_dcp_reads_it_without_ckptrun(tmp_path):
