@@ -2,7 +2,8 @@
 
 A *section* is a function ``fn(ctx) -> list[dict]`` registered with :func:`section`;
 each dict is one table row.  Timing rows come from :func:`timed` and carry
-``median_s``/``min_s``/``max_s`` over ``ctx.reps`` repetitions.  Sections run in
+``median_s``/``min_s``/``max_s`` over ``ctx.reps`` repetitions; :func:`interleave` runs
+the cases of one comparison round-robin so that passing load hits them all alike.  Sections run in
 registration order and can read the rows of earlier ones through ``ctx.results`` (the
 goodput projection uses the measured limits this way).
 
@@ -79,6 +80,37 @@ def timed(fn: Callable[[], object], reps: int, setup: Optional[Callable[[], obje
             samples.append(dt)
     return {"median_s": statistics.median(samples), "min_s": min(samples),
             "max_s": max(samples), "reps": len(samples)}
+
+
+def interleave(benches: Sequence[Callable[[int], Row]], reps: int) -> List[Row]:
+    """Run every bench once per round, ``reps`` rounds, and merge the samples.
+
+    Round-robin instead of one case after the other: on a shared machine, load that comes
+    and goes then hits all cases alike, so the ratios between them stay meaningful.  Each
+    bench is called as ``bench(1)`` and must return a row from :func:`timed`.
+    """
+    per_case: List[List[Row]] = [[] for _ in benches]
+    for _ in range(reps):
+        for i, bench in enumerate(benches):
+            per_case[i].append(bench(1))
+    merged: List[Row] = []
+    for rows in per_case:
+        row = dict(rows[0])
+        if "median_s" in row:
+            samples = [float(r["median_s"]) for r in rows]
+            row.update(median_s=statistics.median(samples), min_s=min(samples),
+                       max_s=max(samples), reps=len(samples))
+            totals = [float(r["total_median_s"]) for r in rows if "total_median_s" in r]
+            if totals:
+                row["total_median_s"] = statistics.median(totals)
+            if "gb_per_s" in row and row.get("bytes"):
+                nbytes = float(row["bytes"])  # type: ignore[arg-type]
+                row["gb_per_s"] = nbytes / float(row["median_s"]) / 1e9
+                if "gb_per_s_max" in row:
+                    row["gb_per_s_max"] = nbytes / float(row["min_s"]) / 1e9
+                    row["gb_per_s_min"] = nbytes / float(row["max_s"]) / 1e9
+        merged.append(row)
+    return merged
 
 
 def bandwidth_row(case: str, nbytes: int, stats: Row, **extra) -> Row:

@@ -49,8 +49,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     help="goodput input: restart overhead (default: measured cold torch import)")
     ap.add_argument("--persist-interval-s", type=float, default=600.0,
                     help="goodput input: ckptrun's durable fallback interval")
-    ap.add_argument("--shared-storage", action="store_true",
-                    help="goodput: the measured storage bandwidth is shared by all machines")
+    ap.add_argument("--state", help="goodput input: state per machine, e.g. 40G "
+                    "(default: the largest size measured)")
     ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",
                     help="rewrite the generated part of docs/performance.md from this run")
     ap.add_argument("--no-print", action="store_true", help="do not print tables")
@@ -77,7 +77,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
                   options={"iteration_s": args.iteration_s, "failure_rate": args.failure_rate,
                            "replicas": args.replicas, "restart_s": args.restart_s,
                            "persist_interval_s": args.persist_interval_s,
-                           "storage_shared": args.shared_storage})
+                           "state_bytes": parse_size(args.state) if args.state else None})
     started = time.monotonic()
     results: dict = {"meta": {
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

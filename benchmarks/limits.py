@@ -28,7 +28,7 @@ from typing import List
 
 import torch
 
-from benchmarks import Context, Row, bandwidth_row, section, timed
+from benchmarks import Context, Row, bandwidth_row, interleave, section, timed
 from ckptrun.protocol import SHM_DIR, SHM_PREFIX, create_shm_file
 
 COLUMNS = [("case", "case", "str"), ("bytes", "size", "bytes"), ("median_s", "median", "ms"),
@@ -192,10 +192,14 @@ def limits(ctx: Context) -> List[Row]:
             rows.append({"case": "skipped (time budget)", "bytes": size})
             continue
         src = _source(size)
-        size_rows = [bench_memcpy(src, ctx.reps), bench_shm_copy(src, ctx.reps),
-                     bench_shm_first_touch(src, ctx.reps), bench_loopback_tcp(src, ctx.reps),
-                     bench_disk_fsync(src, ctx.reps, ctx.tmpdir),
-                     bench_fsspec(src, ctx.reps, ctx.target)]
+        size_rows = interleave([
+            lambda r, src=src: bench_memcpy(src, r),
+            lambda r, src=src: bench_shm_copy(src, r),
+            lambda r, src=src: bench_shm_first_touch(src, r),
+            lambda r, src=src: bench_loopback_tcp(src, r),
+            lambda r, src=src: bench_disk_fsync(src, r, ctx.tmpdir),
+            lambda r, src=src: bench_fsspec(src, r, ctx.target),
+        ], ctx.reps)
         base = float(size_rows[0]["gb_per_s"])
         for row in size_rows:
             row["vs_memcpy"] = float(row["gb_per_s"]) / base

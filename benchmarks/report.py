@@ -134,9 +134,13 @@ def key_findings(results: Dict) -> List[str]:
             out.append(f"{r['method']} at {human_bytes(float(r['bytes']))} blocks "
                        f"{float(r['median_s']) * 1e3:.1f} ms = {float(r['vs_copy']):.2f}x a plain copy_.")
     for r in results["sections"].get("goodput", {}).get("rows", []):
-        if r.get("inputs") == "measured" and r.get("machines") == 1000:
-            out.append(f"Projected at 1,000 machines: ckptrun {float(r['ckptrun_ratio']) * 100:.1f}% "
-                       f"vs storage-only {float(r['storage_ratio']) * 100:.1f}% effective training time.")
+        if str(r.get("inputs", "")).startswith("measured") and r.get("machines") == 1000:
+            out.append(f"Projected at 1,000 machines ({r['inputs']}): ckptrun "
+                       f"{float(r['ckptrun_ratio']) * 100:.1f}% vs storage-only "
+                       f"{float(r['storage_ratio']) * 100:.1f}% effective training time.")
+        elif str(r.get("inputs", "")).startswith("GEMINI paper"):
+            out.append(f"GEMINI paper reference (1,000 instances, 1.5%/day): model gives "
+                       f"{float(r['ckptrun_ratio']) * 100:.1f}% effective training time (paper: about 91%).")
     return out
 
 

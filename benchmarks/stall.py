@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from benchmarks import Context, Row, section, timed
+from benchmarks import Context, Row, interleave, section, timed
 
 COLUMNS = [("method", "method", "str"), ("bytes", "size", "bytes"),
            ("median_s", "blocking median", "ms"), ("min_s", "min", "ms"), ("max_s", "max", "ms"),
@@ -177,14 +177,14 @@ def stall(ctx: Context) -> List[Row]:
     sizes = [ctx.sizes[-1]] if ctx.quick else ctx.sizes
     for size in sizes:
         state = make_state(size)
-        size_rows = [
-            bench_plain_copy(state, ctx.reps),
-            bench_ckptrun(size, ctx.reps, overlap=True),
-            bench_ckptrun(size, ctx.reps, overlap=False),
-            bench_torch_save(state, ctx.reps, ctx.tmpdir),
-            _dcp_bench(state, ctx.reps, ctx.tmpdir, use_async=False),
-            _dcp_bench(state, ctx.reps, ctx.tmpdir, use_async=True),
-        ]
+        size_rows = interleave([
+            lambda r, st=state: bench_plain_copy(st, r),
+            lambda r, n=size: bench_ckptrun(n, r, overlap=True),
+            lambda r, n=size: bench_ckptrun(n, r, overlap=False),
+            lambda r, st=state: bench_torch_save(st, r, ctx.tmpdir),
+            lambda r, st=state: _dcp_bench(st, r, ctx.tmpdir, use_async=False),
+            lambda r, st=state: _dcp_bench(st, r, ctx.tmpdir, use_async=True),
+        ], ctx.reps)
         base = float(size_rows[0]["median_s"])
         for row in size_rows:
             if "median_s" in row:
