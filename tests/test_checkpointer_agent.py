@@ -1,0 +1,194 @@
+"""Checkpointer under a simulated ckptrun agent: the writer's rule, /dev/shm checks, and a
+SIGKILLed worker restored from shared memory to a bitwise-identical result."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import ckptrun
+from ckptrun import slotset
+from ckptrun.memory import NodeMemory
+from ckptrun.protocol import ControlBlock, Phase, control_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "scripts", "mem_worker.py")
+
+
+@pytest.fixture
+def node():
+    """A job token, its NodeMemory and a control block, all removed afterwards."""
+    token = f"t{uuid.uuid4().hex[:10]}"
+    mem = NodeMemory(token, num_slots=3)
+    block = ControlBlock(control_path(token), nranks=2, create=True)
+    yield token, mem, block
+    block.close()
+    mem.cleanup()
+    assert not glob.glob(f"/dev/shm/ckptrun-{token}-*")
+
+
+def agent_env(token, mem, rank, world=1, restore=None, port=0):
+    env = dict(os.environ)
+    env.update({
+        "CKPTRUN_CONTROL": control_path(token), "CKPTRUN_SLOT_PREFIX": mem.slot_prefix(rank),
+        "CKPTRUN_NUM_SLOTS": "3", "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+        "CKPTRUN_RESTORE": json.dumps({"step": restore or 0, "tier": "memory"}),
+    })
+    return env
+
+
+def set_env(monkeypatch, env):
+    for k, v in env.items():
+        if k.startswith("CKPTRUN_") or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            monkeypatch.setenv(k, v)
+
+
+def test_writer_keeps_two_newest_skips_pinned_and_counts(node, monkeypatch):
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    state = {"w": torch.zeros(1000)}
+    ck = ckptrun.Checkpointer(state)
+    for s in (1, 2, 3):
+        state["w"].fill_(s)
+        assert ck.save(s)
+    assert sorted(mem.steps(0)) == [1, 2, 3]
+    state["w"].fill_(4)
+    assert ck.save(4)  # overwrites the oldest (step 1), never 2 or 3
+    assert sorted(mem.steps(0)) == [2, 3, 4]
+    assert block.get(0, "committed_step") == 4 and block.get(0, "saves") == 4
+
+    block.set(0, "pin", mem.steps(0)[2])  # the agent reads step 2: the only writable slot
+    assert not ck.save(5)  # skipped, not blocked, nothing corrupted
+    assert block.get(0, "skipped_saves") == 1 and sorted(mem.steps(0)) == [2, 3, 4]
+    assert all(mem.verify(0, s) for s in (2, 3, 4))
+    assert block.get(0, "phase") == Phase.RUNNING
+    block.set(0, "pin", -1)
+    assert ck.save(5)
+    assert sorted(mem.steps(0)) == [3, 4, 5] and mem.common_step([0]) == 5
+    _, got = mem.read(0, 3)
+    assert torch.equal(got[0], torch.full((1000,), 3.0))
+    ck.close()
+
+
+def test_choice_rule_unit():
+    s = slotset.SlotSet(None, 3, keep=2)
+    assert s.choose() == 0
+    assert s.choose(pin=0) == 1
+    s2 = slotset.SlotSet(None, 2, keep=1)
+    assert s2.choose(pin=0) == 1
+    with pytest.raises(ValueError):
+        slotset.SlotSet(None, 2, keep=2)
+
+
+def test_shm_too_small_is_one_clear_fatal_line(node, monkeypatch):
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(slotset.os, "statvfs", lambda p: Tiny())
+    ck = ckptrun.Checkpointer({"w": torch.zeros(1 << 20)})
+    with pytest.raises(RuntimeError) as ei:
+        ck.save(1)
+    msg = str(ei.value)
+    assert "\n" not in msg and "/dev/shm has 0 MiB free" in msg and "--shm-size" in msg
+    assert block.get(0, "fatal") == 1
+    assert mem.slot_paths(0) == []  # nothing allocated, no SIGBUS later
+
+
+def test_state_bytes_budget(node, monkeypatch):
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    monkeypatch.setenv("CKPTRUN_MAX_STATE_BYTES", str(1 << 20))
+    ck = ckptrun.Checkpointer({"w": torch.zeros(1 << 20)})
+    with pytest.raises(RuntimeError, match="CKPTRUN_MAX_STATE_BYTES"):
+        ck.save(1)
+    assert block.get(0, "fatal") == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(envs, args, out_dir, tag, timeout=240, kill_rest=False):
+    procs = []
+    for r, env in enumerate(envs):
+        out = os.path.join(out_dir, f"{tag}-r{r}.bin")
+        procs.append(subprocess.Popen([sys.executable, WORKER, *args, "--out", out], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    codes = []
+    for i, p in enumerate(procs):
+        try:
+            p.wait(timeout=timeout if i == 0 or not kill_rest else 20)
+        except subprocess.TimeoutExpired:
+            p.kill()  # a DDP peer of the killed rank hangs in allreduce: the agent would kill it
+            p.wait()
+        codes.append(p.returncode)
+        if kill_rest and i == 0:
+            for q in procs[1:]:
+                q.send_signal(signal.SIGKILL)
+    logs = [p.stdout.read() for p in procs]
+    return codes, logs
+
+
+def weights(out_dir, tag, r=0):
+    return np.fromfile(os.path.join(out_dir, f"{tag}-r{r}.bin"), dtype=np.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,optim,wait", [(1, "adam", False), (2, "sgd", True)],
+                         ids=["single-adam", "ddp2-sgd"])
+def test_sigkill_then_restore_matches_uninterrupted(node, tmp_path, world, optim, wait):
+    token, mem, block = node
+    steps, kill = 14, 6
+    base = ["--steps", str(steps), "--optim", optim] + (["--ddp"] if world > 1 else [])
+    ranks = list(range(world))
+
+    # 1) uninterrupted reference: plain torchrun-style environment, no agent
+    port = free_port()
+    plain = []
+    for r in ranks:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
+        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        plain.append(env)
+    codes, logs = run_workers(plain, base, tmp_path, "ref")
+    assert codes == [0] * world, logs
+
+    # 2) under the simulated agent: rank 0 SIGKILLs itself right after save(kill)
+    port = free_port()
+    envs = [agent_env(token, mem, r, world, port=port) for r in ranks]
+    args = base + ["--kill-after", str(kill)] + (["--wait-before-kill"] if wait else [])
+    codes, logs = run_workers(envs, args, tmp_path, "killed", kill_rest=True)
+    assert codes[0] == -signal.SIGKILL, logs
+
+    # 3) the agent's restore decision, then a fresh start from memory
+    step = mem.common_step(ranks)
+    assert step in ((kill,) if wait else (kill - 1, kill)), (step, [mem.steps(r) for r in ranks])
+    mem.discard_newer(ranks, step)
+    for r in ranks:
+        block.reset(r)
+    port = free_port()
+    envs = [agent_env(token, mem, r, world, restore=step, port=port) for r in ranks]
+    codes, logs = run_workers(envs, base, tmp_path, "restored")
+    assert codes == [0] * world, logs
+    assert all(f"starts at step {step}" in log for log in logs), logs
+    for r in ranks:
+        assert block.get(r, "restored_step") == step and block.get(r, "restore_s") > 0
+        assert block.get(r, "committed_step") == steps
+        assert np.array_equal(weights(tmp_path, "ref", r), weights(tmp_path, "restored", r))

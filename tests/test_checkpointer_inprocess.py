@@ -1,0 +1,160 @@
+"""Checkpointer under plain python: exact continuation, overlap structure, RNG, plain data."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import ckptrun
+from ckptrun import slots as slots_mod
+from ckptrun.protocol import SlotHeader, SlotState
+
+
+def make_job(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=40)
+    return model, opt, sched
+
+
+def train_step(model, opt, sched, extra):
+    x = torch.randn(8, 16)
+    y = torch.randn(8, 1) + random.random() + float(np.random.rand())
+    loss = ((model(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    extra["losses"].append(loss.item())
+    extra["seen"] += 8
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_restore_continues_bitwise_like_an_uninterrupted_run(overlap):
+    random.seed(1)
+    np.random.seed(1)
+    model, opt, sched = make_job()
+    extra = {"losses": [], "seen": 0}
+    ck = ckptrun.Checkpointer({"model": model, "optim": opt, "sched": sched, "extra": extra},
+                              overlap=overlap)
+    assert ck.restore() == 0  # nothing saved yet: state untouched
+    for step in range(12):
+        train_step(model, opt, sched, extra)
+        assert ck.save(step + 1)
+    ck.wait()
+    for _ in range(12, 25):  # the "crashed" timeline: diverges the live state further
+        train_step(model, opt, sched, extra)
+    ref = [p.detach().clone() for p in model.state_dict().values()]
+    ref_extra = {"losses": list(extra["losses"]), "seen": extra["seen"]}
+    ref_lr = sched.get_last_lr()
+
+    assert ck.restore() == 12
+    assert len(extra["losses"]) == 12 and extra["seen"] == 96
+    for _ in range(12, 25):
+        train_step(model, opt, sched, extra)
+    for a, b in zip(ref, model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert extra == ref_extra and sched.get_last_lr() == ref_lr
+    ck.close()
+
+
+def test_restored_tensors_do_not_alias_the_snapshot():
+    model, opt, sched = make_job()
+    extra = {"losses": [], "seen": 0}
+    with ckptrun.Checkpointer({"model": model, "optim": opt}) as ck:
+        train_step(model, opt, sched, extra)
+        ck.save(1)
+        ck.restore()
+        exp_avg = opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]
+        before = exp_avg.clone()
+        train_step(model, opt, sched, extra)
+        ck.save(2)  # writes the other buffer ...
+        train_step(model, opt, sched, extra)
+        ck.save(3)  # ... and then the one restore() read from
+        ck.wait()
+        assert not torch.equal(before, exp_avg)  # Adam updated it in place, nothing else did
+        ck.restore()
+        exp_avg2 = opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]
+        for k in range(2):
+            mm = ck._slots.mms[k]
+            base = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+            assert not base <= exp_avg2.data_ptr() < base + len(mm)
+
+
+def test_overlapped_save_returns_before_the_copy_and_step_waits(monkeypatch):
+    """Structural: the background copy is held on a gate; save() must return anyway, and
+    optimizer.step() must not run until the copy has finished."""
+    gate = threading.Event()
+    real_copy = slots_mod.SlotWrite.copy
+
+    def gated_copy(self, indices, stream=None):
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(60)
+        return real_copy(self, indices, stream)
+
+    monkeypatch.setattr(slots_mod.SlotWrite, "copy", gated_copy)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    ck = ckptrun.Checkpointer({"model": model, "optim": opt})
+    at_save = model.weight.detach().clone()
+    ck.save(1)  # returns although the parameter copy is blocked
+    assert ck._pending is not None and ck._pending.is_alive()
+    k = next(i for i, mm in enumerate(ck._slots.mms) if mm is not None)
+    assert SlotHeader.unpack_from(ck._slots.mms[k]).state == SlotState.WRITING
+
+    stepped = threading.Event()
+
+    def do_step():
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        stepped.set()
+
+    th = threading.Thread(target=do_step)
+    th.start()
+    assert not stepped.wait(0.5)  # blocked in the step pre-hook (a broken hook fails here)
+    gate.set()
+    th.join(60)
+    assert stepped.is_set()
+    h = SlotHeader.unpack_from(ck._slots.mms[k])
+    assert h.state == SlotState.COMMITTED and h.step == 1
+    assert not torch.equal(model.weight.detach(), at_save)
+    ck.restore()
+    assert torch.equal(model.weight.detach(), at_save)  # the snapshot has pre-step weights
+    ck.close()
+
+
+def test_no_optimizer_means_synchronous_copy():
+    model = torch.nn.Linear(64, 64)
+    ck = ckptrun.Checkpointer({"model": model})
+    ck.save(1)
+    assert ck._pending is None and ck.saves == 1
+    ck.close()
+
+
+def test_state_growth_reallocates_and_plain_python_values_restore():
+    state = {"buf": torch.zeros(10), "note": "a", "hist": [1]}
+    ck = ckptrun.Checkpointer(state, capture_rng=False)
+    ck.save(1)
+    state["buf"] = torch.arange(3_000_000, dtype=torch.float32)  # 30x the first allocation
+    state["note"] = "b"
+    ck.save(2)
+    state["buf"] = torch.zeros(1)
+    state["note"] = "c"
+    assert ck.restore() == 2
+    assert state["note"] == "b" and torch.equal(state["buf"], torch.arange(3_000_000.0))
+    ck.close()
+
+
+def test_unsupported_state_fails_clearly():
+    ck = ckptrun.Checkpointer({"loader": iter([1, 2])})
+    with pytest.raises(TypeError, match="'loader'"):
+        ck.save(1)
