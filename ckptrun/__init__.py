@@ -18,14 +18,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 __all__ = ["Checkpointer", "heartbeat", "__version__"]
 
+# Imported eagerly (it needs only the stdlib) so that the name ``ckptrun.heartbeat`` is the
+# function even after something imports the submodule of the same name.
+from ckptrun.heartbeat import heartbeat  # noqa: E402
+
 
 def __getattr__(name: str):
     if name == "Checkpointer":
         from ckptrun.checkpointer import Checkpointer
 
         return Checkpointer
-    if name == "heartbeat":
-        from ckptrun.heartbeat import heartbeat
-
-        return heartbeat
     raise AttributeError(f"module 'ckptrun' has no attribute {name!r}")
