@@ -12,6 +12,7 @@ import contextlib
 import glob
 import mmap
 import os
+import re
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,7 +30,14 @@ from ckptrun.protocol import (
     set_slot_state,
     slot_path,
 )
-from ckptrun.slots import meta_bytes, read_slot, slot_size, verify_slot, write_slot
+from ckptrun.slots import (
+    meta_bytes,
+    meta_checksum,
+    read_slot,
+    slot_size,
+    verify_slot,
+    write_slot,
+)
 
 Snapshot = Tuple[dict, List[torch.Tensor]]
 PinRef = Tuple[ControlBlock, int]  # (control block, local rank) whose ``pin`` to set
@@ -45,6 +53,20 @@ class NodeMemory:
     def __init__(self, job_token: str, num_slots: int = DEFAULT_NUM_SLOTS) -> None:
         self.job_token = job_token
         self.num_slots = num_slots
+        self._control: Optional[ControlBlock] = None
+        self._local_of: Dict[int, int] = {}
+
+    def attach_control(self, block: ControlBlock, local_of: Dict[int, int]) -> None:
+        """Let reads pin slots through ``block`` (``local_of``: global rank -> local rank)."""
+        self._control = block
+        self._local_of = dict(local_of)
+
+    def ranks(self) -> List[int]:
+        """Global ranks that have slot files on this node."""
+        pat = re.compile(re.escape(f"{SHM_PREFIX}{self.job_token}-r") + r"(\d+)-s\d+$")
+        found = {int(m.group(1)) for m in (pat.match(os.path.basename(p))
+                                             for p in self._job_files()) if m}
+        return sorted(found)
 
     # ------------------------------------------------------------------ naming
 
@@ -142,7 +164,8 @@ class NodeMemory:
                 if mm is None:
                     continue
                 h = SlotHeader.unpack_from(mm)
-                if (h.state == SlotState.COMMITTED and h.step > step) or h.state == SlotState.WRITING:
+                newer = h.state == SlotState.COMMITTED and h.step > step
+                if newer or h.state == SlotState.WRITING:
                     set_slot_state(mm, SlotState.EMPTY, -1, h.seq + 1)
                 mm.close()
 
@@ -190,9 +213,40 @@ class NodeMemory:
         Raises :class:`SlotChanged` if the slot was rewritten during the copy, ``KeyError``
         if the step is not held.
         """
+        if pin is None and self._control is not None and rank in self._local_of:
+            pin = (self._control, self._local_of[rank])
         with self.pinned(rank, step, pin) as (meta, views):
             tensors = [v.clone() for v in views]
         return meta, tensors
+
+    def read_common(self, min_step: int = 0, ranks: Optional[Sequence[int]] = None
+                    ) -> Optional[Tuple[int, Dict[int, Snapshot]]]:
+        """The persister's reader: ``(step, {rank: (meta, tensors)})`` for the newest step all
+        ``ranks`` (default: every rank with slots here) committed, if ``>= min_step``.
+
+        Cheap when there is nothing new (headers only).  The tensors are private copies whose
+        checksum was verified after copying, so a long durable write never holds a slot.
+        Raises :class:`SlotChanged` if a slot was rewritten during the copy (retry later).
+        """
+        ranks = self.ranks() if ranks is None else list(ranks)
+        if not ranks:
+            return None
+        per_rank = [self.steps(r) for r in ranks]
+        common = set(per_rank[0]).intersection(*per_rank[1:])
+        if not common or max(common) < min_step:
+            return None
+        step = max(common)
+        out: Dict[int, Snapshot] = {}
+        for r in ranks:
+            meta, tensors = self.read(r, step)
+            if meta_checksum(meta, tensors) != self._header_checksum(r, step):
+                raise SlotChanged(f"rank {r} step {step}: copy does not match its checksum")
+            out[r] = (meta, tensors)
+        return step, out
+
+    def _header_checksum(self, rank: int, step: int) -> Optional[int]:
+        k = self.steps(rank).get(step)
+        return None if k is None else self.headers(rank)[k].checksum
 
     def write(self, rank: int, meta: dict, tensors: List[torch.Tensor], step: int) -> int:
         """Materialise a snapshot (from a peer or storage) into a slot of ``rank``; returns

@@ -107,7 +107,7 @@ def test_overlapped_save_returns_before_the_copy_and_step_waits(monkeypatch):
     ck = ckptrun.Checkpointer({"model": model, "optim": opt})
     at_save = model.weight.detach().clone()
     ck.save(1)  # returns although the parameter copy is blocked
-    assert ck._pending is not None and ck._pending.is_alive()
+    assert ck._pending is not None and not ck._pending.is_set()
     k = next(i for i, mm in enumerate(ck._slots.mms) if mm is not None)
     assert SlotHeader.unpack_from(ck._slots.mms[k]).state == SlotState.WRITING
 

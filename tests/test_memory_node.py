@@ -149,3 +149,42 @@ def test_write_grows_a_small_slot_and_round_trips(mem):
     m2, got = mem.read(0, 2)
     assert torch.equal(got[0], tensors[0]) and m2["rank"] == 0
     assert os.path.getsize(f"{mem.slot_prefix(0)}{k}") >= 800_000
+
+
+def test_read_common_for_the_persister(mem):
+    assert mem.read_common(0) is None and mem.ranks() == []
+    for s in (3, 4):
+        mem.write(0, *snap(s, 0), step=s)
+        mem.write(1, *snap(s, 1), step=s)
+    mem.write(0, *snap(5, 0), step=5)
+    assert mem.ranks() == [0, 1]
+    assert mem.read_common(5) is None  # cheap "nothing new" answer
+    step, snaps = mem.read_common(2)
+    assert step == 4 and sorted(snaps) == [0, 1]
+    for r in (0, 1):
+        meta, tensors = snaps[r]
+        want = snap(4, r)[1]
+        assert meta["step"] == 4 and all(torch.equal(a, b) for a, b in zip(want, tensors))
+
+
+def test_meta_checksum_matches_the_slot(mem):
+    from ckptrun.slots import meta_checksum
+
+    mem.write(0, *snap(7), step=7)
+    meta, tensors = mem.read(0, 7)
+    h = mem.headers(0)[mem.steps(0)[7]]
+    assert meta_checksum(meta, tensors) == h.checksum
+    tensors[0][3] += 1
+    assert meta_checksum(meta, tensors) != h.checksum
+
+
+def test_attached_control_pins_reads(mem):
+    block = ControlBlock(control_path(mem.job_token), nranks=1, create=True)
+    mem.attach_control(block, {5: 0})
+    mem.write(5, *snap(2, 5), step=2)
+    pins = []
+    real = block.set
+    block.set = lambda lr, name, v: (pins.append((lr, name, v)), real(lr, name, v))
+    mem.read(5, 2)
+    assert pins == [(0, "pin", mem.steps(5)[2]), (0, "pin", -1)]
+    block.close()
