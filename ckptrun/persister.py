@@ -53,7 +53,7 @@ class Persister:
         poll_s: float = 0.5,
         retry_base_s: float = 2.0,
         retry_max_s: float = 120.0,
-        threads: int = 1,
+        threads: int = 2,  # DCP writer threads: 2 files in flight (S3: ~1.7x faster)
     ) -> None:
         if (every_steps is None) == (every_seconds is None):
             raise ValueError("exactly one of every_steps / every_seconds must be set")

@@ -185,7 +185,7 @@ def export(step: int, world: int, snaps: Dict[int, Snapshot], to_url: str, fmt: 
     from ckptrun import storage
 
     if fmt == "dcp":
-        return storage.write_step(to_url, step, snaps, world, standalone=True)["bytes"]
+        return storage.write_step(to_url, step, snaps, world, threads=2, standalone=True)["bytes"]
     import fsspec
     import torch
 
@@ -272,11 +272,13 @@ def _pick(entries: List[Dict[str, Any]], step: Optional[int]) -> Dict[str, Any]:
 
 
 def _export(src: Source, entries, step, to_url, fmt, as_json) -> None:
+    from rich.console import Console
     from rich.progress import Progress
 
     entry = _pick(entries, step)
     t0 = time.monotonic()
-    with Progress(transient=True, disable=as_json) as bar:
+    # On stderr so stdout carries only the result line (or JSON).
+    with Progress(transient=True, disable=as_json, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"reading step {entry['step']}", total=None)
         world, snaps = src.read(entry, progress=lambda: bar.advance(task))
         bar.update(task, description=f"writing {to_url}")
