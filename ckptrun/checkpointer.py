@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,7 @@ from ckptrun.protocol import (
     ENV_RESTORE,
     ENV_SLOT_PREFIX,
     Phase,
+    SlotState,
 )
 from ckptrun.slots import (
     SlotWrite,
@@ -48,6 +49,7 @@ from ckptrun.slots import (
     verify_slot,
 )
 from ckptrun.slotset import ShmTooSmall, SlotSet
+from ckptrun.standalone import StandalonePersister
 
 RNG_KEY = "rng"
 
@@ -70,7 +72,6 @@ class Checkpointer:
         self.capture_rng = capture_rng
         self.verify_restore = verify_restore
         self.persist_to = persist_to or os.environ.get(ENV_PERSIST_TO) or None
-        self.persist_every = persist_every
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._rng_key = RNG_KEY if RNG_KEY not in state else "__ckptrun_rng__"
@@ -82,8 +83,10 @@ class Checkpointer:
                                   rank=self.rank)
         else:  # in-process: newest commit + one being written (+ one a persist may hold)
             self._slots = SlotSet(None, 3 if self.persist_to else 2, keep=1, rank=self.rank)
-        self._local_pin = -1  # in-process slot held by a persist
-        self._persister: Optional[threading.Thread] = None
+        self._persist = None
+        if self._link is None and self.persist_to:
+            self._persist = StandalonePersister(self.persist_to, persist_every, self.rank,
+                                                self.world_size)
         self._copier = _Copier()
         self._pending: Optional[threading.Event] = None  # set when the background copy is done
         self._pending_error: Optional[BaseException] = None
@@ -94,7 +97,6 @@ class Checkpointer:
         self.last_block_s = 0.0
         self.last_copy_s = 0.0  # background copy + checksum of the last save
         self.last_hash_s = 0.0  # the checksum's share of it
-        self._persisted_step = -1
         self._closed = False
         for obj in _walk(state):
             if isinstance(obj, torch.optim.Optimizer):
@@ -146,6 +148,9 @@ class Checkpointer:
             self._finish(job, k, [], stream)
         self.last_block_s = time.perf_counter() - t0
         self._ctl("save_block_s", self.last_block_s)
+        if self._persist is not None and self._persist.collective and self._persist.due(step):
+            self.wait()  # a collective write: every rank is here at the same step
+            self._persist.write(self._committed(k, step), step)
         return True
 
     def restore(self) -> int:
@@ -188,12 +193,13 @@ class Checkpointer:
         if self._closed:
             return
         self.wait()
-        if self._persister is not None:
-            self._persister.join()
-        if self._link is None and self.persist_to:
+        if self._persist is not None:
+            self._persist.join()
             k = self._slots.newest()
-            if k is not None and self._slots.header(k).step != self._persisted_step:
-                self._persist(k)
+            step = self._slots.header(k).step if k is not None else -1
+            # The final step (ranks saved the same steps, so they agree on this collectively).
+            if step > 0 and step != self._persist.persisted_step:
+                self._persist.write(self._committed(k, step), step)
         for handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
@@ -233,49 +239,30 @@ class Checkpointer:
                                 ("state_bytes", h.data_len)):
                 self._ctl(name, value)
         self._ctl("phase", Phase.RUNNING)
-        if self._link is None and self.persist_to and self.persist_every \
-                and h.step % self.persist_every == 0 and self._local_pin < 0:
+        p = self._persist
+        if p is not None and not p.collective and p.due(h.step):
             # Its own thread: a slow store must not hold up the next optimizer step.  The
             # slot stays pinned (skipped by the writer) until the write is done.
-            self._local_pin = k
-            self._persister = threading.Thread(target=self._persist, args=(k,),
-                                               name="ckptrun-persist", daemon=True)
-            self._persister.start()
+            p.start_background(k, lambda slot: self._committed(slot, h.step))
 
-    def _persist(self, k: int) -> None:
-        """Write the in-process slot ``k`` to the durable tier (standalone mode only)."""
-        try:
-            from ckptrun import storage
-        except ImportError:
-            print("ckptrun: persist_to is set but ckptrun.storage is unavailable",
-                  file=sys.stderr)
-            return
-        self._local_pin = k
-        try:
-            _, meta, views = read_slot(self._slots.mms[k])
-            storage.write_step(self.persist_to, meta["step"], {self.rank: (meta, views)},
-                               self.world_size)
-            self._persisted_step = meta["step"]
-        except Exception as e:  # Megatron-LM #1435: a failed write must not kill training
-            print(f"ckptrun: persisting step to {self.persist_to} failed: {e}", file=sys.stderr)
-        finally:
-            self._local_pin = -1
+    def _committed(self, k: Optional[int], step: int) -> Optional[Tuple[dict, list]]:
+        """``(meta, views)`` of slot ``k`` if it holds a committed ``step``, else None."""
+        if k is None:
+            return None
+        h = self._slots.header(k)
+        if h.state != SlotState.COMMITTED or h.step != step:
+            return None
+        return tuple(read_slot(self._slots.mms[k])[1:])
 
     def _restore_standalone(self) -> int:
         k = self._slots.newest()
         if k is not None:
             return self._load_slot(k)
-        if not self.persist_to:
-            return 0
-        try:
-            from ckptrun import storage
-        except ImportError:
-            return 0
-        step = storage.newest_step(self.persist_to)
+        step = self._persist.newest() if self._persist is not None else None
         if not step:
             return 0
         self._set_phase(Phase.RESTORING, step)
-        meta, tensors = storage.read_rank(self.persist_to, step, self.rank)
+        meta, tensors = self._persist.read(step)
         self._load(meta, tensors)
         return int(step)
 
@@ -326,7 +313,7 @@ class Checkpointer:
 
     def _pin(self) -> int:
         if self._link is None:
-            return self._local_pin
+            return self._persist.pinned if self._persist is not None else -1
         block, local_rank = self._link
         return block.get(local_rank, "pin")
 

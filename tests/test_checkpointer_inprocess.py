@@ -158,3 +158,40 @@ def test_unsupported_state_fails_clearly():
     ck = ckptrun.Checkpointer({"loader": iter([1, 2])})
     with pytest.raises(TypeError, match="'loader'"):
         ck.save(1)
+
+
+def test_standalone_persists_and_a_new_process_resumes_from_storage(tmp_path):
+    storage = pytest.importorskip("ckptrun.storage")
+    url = str(tmp_path / "ckpts")
+    random.seed(3)
+    np.random.seed(3)
+    model, opt, sched = make_job()
+    extra = {"losses": [], "seen": 0}
+    state = {"model": model, "optim": opt, "sched": sched, "extra": extra}
+    with ckptrun.Checkpointer(state, persist_to=url, persist_every=4) as ck:
+        assert ck.restore() == 0
+        for step in range(10):
+            train_step(model, opt, sched, extra)
+            ck.save(step + 1)
+            if step + 1 in (4, 8):
+                ck.wait()  # the copy commits, then the write starts in its own thread
+                ck._persist.join()
+                assert storage.newest_step(url) == step + 1
+    assert storage.newest_step(url) == 10  # close() persisted the final step
+    for _ in range(5):
+        train_step(model, opt, sched, extra)
+    ref = [t.clone() for t in model.state_dict().values()]
+
+    # "a new process": fresh objects, no in-process snapshot; RNG state comes from storage
+    random.seed(77)
+    model2, opt2, sched2 = make_job(seed=5)
+    extra2 = {"losses": [], "seen": 0}
+    state2 = {"model": model2, "optim": opt2, "sched": sched2, "extra": extra2}
+    ck2 = ckptrun.Checkpointer(state2, persist_to=url)
+    assert ck2.restore() == 10
+    assert extra2["seen"] == 80 and len(extra2["losses"]) == 10
+    for _ in range(5):
+        train_step(model2, opt2, sched2, extra2)
+    for a, b in zip(ref, model2.state_dict().values()):
+        assert torch.equal(a, b)
+    ck2.close()

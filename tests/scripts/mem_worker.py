@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--wait-before-kill", action="store_true")
     ap.add_argument("--ddp", action="store_true")
     ap.add_argument("--optim", choices=["sgd", "adam"], default="sgd")
+    ap.add_argument("--persist-to", default=None)
+    ap.add_argument("--persist-every", type=int, default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -41,7 +43,8 @@ def main() -> None:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
     torch.manual_seed(1000 + rank)  # data and dropout differ per rank; restored by ckptrun
-    ckpt = ckptrun.Checkpointer({"model": model, "optim": opt, "sched": sched})
+    ckpt = ckptrun.Checkpointer({"model": model, "optim": opt, "sched": sched},
+                                persist_to=args.persist_to, persist_every=args.persist_every)
     start = ckpt.restore()
     print(f"rank {rank} starts at step {start}", flush=True)
     for step in range(start, args.steps):
