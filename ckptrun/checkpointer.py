@@ -139,10 +139,10 @@ class Checkpointer:
         job = SlotWrite(mm, mj, tensors, offsets, data_len, step, self.rank, self.world_size)
         job.begin()
         stream = self._copy_stream(tensors)
+        if stream is not None:  # copies must see the kernels that produced the tensors
+            stream.wait_stream(torch.cuda.current_stream())
         job.copy(sync, stream)
         if deferred:
-            if stream is not None:  # the copy stream must see the step that produced the params
-                stream.wait_stream(torch.cuda.current_stream())
             self._pending = self._copier.submit(self._finish, job, k, deferred, stream)
         else:
             self._finish(job, k, [], stream)

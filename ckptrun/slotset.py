@@ -63,7 +63,11 @@ class SlotSet:
         if prefix is not None:
             for k in range(num_slots):
                 if os.path.exists(slot_path(prefix, k)):  # a restart: earlier commits stay usable
-                    self.mms[k] = open_shm_file(slot_path(prefix, k), populate=True)
+                    try:
+                        self.mms[k] = open_shm_file(slot_path(prefix, k), populate=True)
+                    except ValueError:  # an empty file: ensure() grows it in place
+                        continue
+                    self._pin(k)
 
     # ------------------------------------------------------------------ reading
 

@@ -192,3 +192,71 @@ def test_sigkill_then_restore_matches_uninterrupted(node, tmp_path, world, optim
         assert block.get(r, "restored_step") == step and block.get(r, "restore_s") > 0
         assert block.get(r, "committed_step") == steps
         assert np.array_equal(weights(tmp_path, "ref", r), weights(tmp_path, "restored", r))
+
+
+def test_torn_slot_is_reused_and_never_restored(node, monkeypatch):
+    from ckptrun.protocol import SlotHeader, SlotState, open_shm_file, set_slot_state
+
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    state = {"w": torch.zeros(100)}
+    ck = ckptrun.Checkpointer(state)
+    for s in (1, 2, 3):
+        ck.save(s)
+    k3 = mem.steps(0)[3]
+    mm = open_shm_file(f"{mem.slot_prefix(0)}{k3}")
+    set_slot_state(mm, SlotState.WRITING, 3, SlotHeader.unpack_from(mm).seq + 1)  # died mid-copy
+    assert sorted(mem.steps(0)) == [1, 2] and mem.common_step([0]) == 2
+    ck.save(4)  # the torn slot is the free one; 1 and 2 are the two newest commits
+    assert mem.steps(0) == {1: mem.steps(0)[1], 2: mem.steps(0)[2], 4: k3}
+    mm.close()
+    ck.close()
+    monkeypatch.setenv("CKPTRUN_RESTORE", json.dumps({"step": 3, "tier": "memory"}))
+    with pytest.raises(RuntimeError, match="no committed slot for step 3"):
+        ckptrun.Checkpointer(state).restore()
+
+
+def test_state_growth_under_agent_keeps_older_commits(node, monkeypatch):
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1000, 1000)
+    opt = torch.optim.Adam(model.parameters())
+    ck = ckptrun.Checkpointer({"model": model, "optim": opt})
+    ck.save(1)  # before the first step: no Adam state yet
+    small = os.path.getsize(mem.slot_paths(0)[0])
+    for s in (2, 3, 4):
+        model(torch.randn(2, 1000)).sum().backward()
+        opt.step()  # Adam state appears: the state triples
+        ck.save(s)
+    ck.wait()
+    assert max(os.path.getsize(p) for p in mem.slot_paths(0)) > 2 * small
+    assert sorted(mem.steps(0)) == [2, 3, 4] and all(mem.verify(0, s) for s in (2, 3, 4))
+    assert block.get(0, "state_bytes") > 3 * 1000 * 1000 * 4
+    ck.close()
+
+
+def test_failed_background_copy_does_not_stop_training(node, monkeypatch, capsys):
+    from ckptrun import slots as slots_mod
+
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    model = torch.nn.Linear(50, 50)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = ckptrun.Checkpointer({"model": model, "optim": opt})
+    ck.save(1)
+    ck.wait()
+    real = slots_mod.SlotWrite.commit
+
+    def boom(self):
+        raise OSError("simulated failure")
+
+    monkeypatch.setattr(slots_mod.SlotWrite, "commit", boom)
+    ck.save(2)
+    opt.step()  # the hook waits, the error is reported, training goes on
+    assert "snapshot failed" in capsys.readouterr().err
+    assert sorted(mem.steps(0)) == [1] and block.get(0, "phase") == Phase.RUNNING
+    monkeypatch.setattr(slots_mod.SlotWrite, "commit", real)
+    ck.save(3)
+    ck.close()
+    assert sorted(mem.steps(0)) == [1, 3]
