@@ -120,7 +120,9 @@ def main() -> None:
     except SystemExit:
         raise
     except BaseException as exc:  # like the interpreter: hook (traceback), then exit 1
-        sys.excepthook(type(exc), exc, _user_traceback(exc.__traceback__))
+        tb = _user_traceback(exc.__traceback__)
+        exc.__traceback__ = tb  # the default hook prints the exception's own traceback
+        sys.excepthook(type(exc), exc, tb)
         if isinstance(exc, KeyboardInterrupt):
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)

@@ -131,6 +131,7 @@ class JobCoordinator:
         self.max_restarts = max_restarts
         self.timeout = timedelta(seconds=timeout_s)
         self._key = KEY_PREFIX + "epoch"
+        self._attempt_store = None  # node 0: the store served to this attempt's workers
 
     def init(self) -> Epoch:
         """The current epoch; the first agent to ask creates ``0:0:run``."""
@@ -183,13 +184,30 @@ class JobCoordinator:
         return None if min(steps) < 0 else min(steps)
 
     def master_port(self, attempt: int, info: NodeInfo) -> int:
-        """Without the shared agent store the workers host their own TCPStore: a fresh port
-        per attempt (the old one may linger in TIME_WAIT), chosen by node 0."""
-        if info.use_agent_store or attempt == 0:
+        """MASTER_PORT for ``attempt``: a store no earlier attempt has written to.
+
+        torch 2.13 workers no longer prefix their keys by attempt ("a new TCPStore for every
+        retry"): torch's agent gets a new store from every re-rendezvous.  The fast path has
+        no new round, so node 0 hosts a fresh store per attempt (agent store) or picks a
+        fresh port for rank 0's own store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``);
+        reusing the old one makes gloo connect to the previous attempt's addresses.
+        """
+        if attempt == 0:
             return info.master_port
         key = f"{KEY_PREFIX}port/{attempt}"
         if self.group_rank == 0:
-            self.store.compare_set(key, "", str(free_port()))
+            if info.use_agent_store:
+                import torch.distributed as dist
+
+                old = self._attempt_store
+                self._attempt_store = dist.TCPStore(
+                    info.master_addr, 0, None, True, self.timeout, wait_for_workers=False,
+                    multi_tenant=True)
+                port = self._attempt_store.port
+                del old  # the previous attempt's workers are gone
+            else:
+                port = free_port()
+            self.store.compare_set(key, "", str(port))
         self.store.wait([key], self.timeout)
         return int(self.store.get(key))
 

@@ -1,0 +1,87 @@
+"""A tiny gloo job for the agent tests: N steps of all_reduce + heartbeat, with failure injection.
+
+Flags: --steps N, --step-time S, --fail-rank R, and (first attempt only, on rank R):
+--crash-at K (SIGKILL itself), --raise-at K (exception), --hang-at K (SIGSTOP itself),
+--exit-at K (sys.exit(3)), --fatal-at K (set the control block's fatal flag and sleep);
+--always-crash-at K crashes in every attempt.  --marks FILE appends timing marks (JSON lines):
+"start" when the script begins, "beat1" at the first heartbeat, "kill" just before a crash.
+--no-pg skips the process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+T0 = time.time()
+
+
+def mark(path, what: str, **kw) -> None:
+    if path:
+        rec = {"what": what, "t": time.time(), "rank": int(os.environ.get("RANK", 0)),
+               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), **kw}
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--step-time", type=float, default=0.05)
+    ap.add_argument("--fail-rank", type=int, default=1)
+    for flag in ("crash-at", "raise-at", "hang-at", "exit-at", "fatal-at", "always-crash-at"):
+        ap.add_argument(f"--{flag}", type=int, default=-1)
+    ap.add_argument("--marks", default="")
+    ap.add_argument("--no-pg", action="store_true")
+    args = ap.parse_args()
+    mark(args.marks, "start", t0=T0)
+
+    import torch
+    import torch.distributed as dist
+
+    import ckptrun
+
+    rank = int(os.environ.get("RANK", 0))
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if not args.no_pg:
+        dist.init_process_group("gloo")
+    t = torch.ones(4)
+    for step in range(1, args.steps + 1):
+        if not args.no_pg:
+            dist.all_reduce(t)
+        time.sleep(args.step_time)
+        ckptrun.heartbeat(step)
+        if step == 1:
+            mark(args.marks, "beat1")
+        victim = rank == args.fail_rank
+        if victim and step == args.always_crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not (victim and first):
+            continue
+        if step == args.crash_at:
+            mark(args.marks, "kill")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.raise_at:
+            raise RuntimeError(f"injected failure at step {step}")
+        if step == args.exit_at:
+            sys.exit(3)
+        if step == args.hang_at:
+            mark(args.marks, "kill")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if step == args.fatal_at:
+            from ckptrun.heartbeat import worker_link
+
+            block, lr = worker_link()
+            block.set(lr, "fatal", 1)
+            time.sleep(60)
+    print(f"rank {rank} done attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')}", flush=True)
+    if not args.no_pg:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
