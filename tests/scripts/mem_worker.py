@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--optim", choices=["sgd", "adam"], default="sgd")
     ap.add_argument("--persist-to", default=None)
     ap.add_argument("--persist-every", type=int, default=None)
+    ap.add_argument("--no-ckpt", action="store_true", help="baseline: no Checkpointer at all")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -45,6 +46,8 @@ def main() -> None:
     torch.manual_seed(1000 + rank)  # data and dropout differ per rank; restored by ckptrun
     ckpt = ckptrun.Checkpointer({"model": model, "optim": opt, "sched": sched},
                                 persist_to=args.persist_to, persist_every=args.persist_every)
+    if args.no_ckpt:
+        ckpt = _NoCkpt()
     start = ckpt.restore()
     print(f"rank {rank} starts at step {start}", flush=True)
     for step in range(start, args.steps):
@@ -64,7 +67,25 @@ def main() -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     flat.numpy().tofile(args.out)
     if args.ddp:
+        # torch 2.13 + gloo: destroying the group while the peer is already tearing its own
+        # down intermittently aborts ("terminate called without an active exception") --
+        # also without ckptrun; a barrier first lets both ranks leave together.
+        dist.barrier()
         dist.destroy_process_group()
+
+
+class _NoCkpt:
+    def restore(self) -> int:
+        return 0
+
+    def save(self, step: int) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 if __name__ == "__main__":
