@@ -98,9 +98,8 @@ class Checkpointer:
         self.last_copy_s = 0.0  # background copy + checksum of the last save
         self.last_hash_s = 0.0  # the checksum's share of it
         self._closed = False
-        for obj in _walk(state):
-            if isinstance(obj, torch.optim.Optimizer):
-                self._hook(obj)
+        for opt in S.find_optimizers(state):
+            self._hook(opt)
 
     # ------------------------------------------------------------------ public API
 
@@ -366,16 +365,3 @@ def _overlaps(t: torch.Tensor, mm: Any) -> bool:
         return False
     base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
     return base <= t.data_ptr() < base + len(mm)
-
-
-def _walk(x: Any, depth: int = 0):
-    """Objects reachable through dicts/lists of the state (to find optimizers up front)."""
-    if depth > 4:
-        return
-    yield x
-    if isinstance(x, dict):
-        for v in x.values():
-            yield from _walk(v, depth + 1)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _walk(v, depth + 1)

@@ -42,8 +42,10 @@ _NP_TORCH_KINDS = {"b", "i", "u", "f", "c"}
 
 class Flattened:
     """Result of :func:`flatten_state`: skeleton, ``(path, tensor)`` pairs and which of them
-    may be copied in the background (parameters and optimizer state, which only change at
-    ``optimizer.step()``), plus the optimizers found (to hook their ``step``)."""
+    may be copied in the background -- the parameters and state of the optimizers found in
+    the state, which only change inside ``optimizer.step()`` -- plus those optimizers (to
+    hook their ``step``).  A parameter no optimizer of the state owns (a frozen or EMA copy,
+    a second model) may be changed by the script at any time, so it is copied synchronously."""
 
     def __init__(self) -> None:
         self.tree: Any = None
@@ -77,8 +79,26 @@ def flatten(state: Any) -> Tuple[Any, List[Tuple[str, torch.Tensor]]]:
 def flatten_state(state: Any) -> Flattened:
     """Like :func:`flatten`, also reporting deferrable tensors and optimizers (for overlap)."""
     fl = Flattened()
-    fl.tree = _enc(state, "", fl, None)
+    fl.optimizers = find_optimizers(state)
+    live: Set[int] = set()
+    for opt in fl.optimizers:
+        live.update(p.data_ptr() for g in opt.param_groups for p in g["params"] if p.numel())
+        live.update(t.data_ptr() for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.numel())
+    fl.tree = _enc(state, "", fl, live)
     return fl
+
+
+def find_optimizers(x: Any, depth: int = 0) -> List[torch.optim.Optimizer]:
+    """Optimizers reachable through the dicts/lists/tuples of a state (a few levels deep)."""
+    if isinstance(x, torch.optim.Optimizer):
+        return [x]
+    if depth >= 4 or not isinstance(x, (dict, list, tuple)):
+        return []
+    found: List[torch.optim.Optimizer] = []
+    for v in (x.values() if isinstance(x, dict) else x):
+        found.extend(o for o in find_optimizers(v, depth + 1) if o not in found)
+    return found
 
 
 def _join(path: str, key: Any) -> str:
@@ -88,7 +108,7 @@ def _join(path: str, key: Any) -> str:
 
 
 def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
-    """Encode ``x``; ``live`` holds data pointers of tensors that are deferrable here."""
+    """Encode ``x``; ``live`` holds the data pointers of deferrable tensors."""
     if x is None or isinstance(x, (bool, str)):
         return x
     if type(x) is int:
@@ -121,26 +141,12 @@ def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
     if isinstance(x, torch.device):
         return {"dev": str(x)}
     if hasattr(x, "state_dict") and callable(x.state_dict) and hasattr(x, "load_state_dict"):
-        return {"o": _enc_stateful(x, path, fl)}
+        return {"o": _enc(x.state_dict(), path, fl, live)}
     raise TypeError(
         f"ckptrun: cannot snapshot {type(x).__module__}.{type(x).__qualname__} at "
         f"{path or '<root>'!r}: use tensors, numpy arrays, plain Python data or objects with "
         "state_dict()/load_state_dict()"
     )
-
-
-def _enc_stateful(obj: Any, path: str, fl: Flattened) -> Any:
-    live: Optional[Set[int]] = None
-    if isinstance(obj, torch.nn.Module):
-        live = {p.data_ptr() for p in obj.parameters() if p.numel() > 0}
-    elif isinstance(obj, torch.optim.Optimizer):
-        fl.optimizers.append(obj)
-        sd = obj.state_dict()
-        # Every tensor of an optimizer's state only changes inside step().
-        live = {t.data_ptr() for st in sd.get("state", {}).values() for t in st.values()
-                if isinstance(t, torch.Tensor) and t.numel() > 0}
-        return _enc(sd, path, fl, live)
-    return _enc(obj.state_dict(), path, fl, live)
 
 
 def _enc_key(k: Any, path: str) -> Any:

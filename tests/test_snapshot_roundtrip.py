@@ -105,6 +105,11 @@ def test_module_optimizer_state_paths_and_reload():
     assert by_path["model/0.weight"] and by_path["optim/state/0/exp_avg"]
     assert not by_path["model/1.running_mean"]  # buffers change in forward: copied synchronously
     assert fl.optimizers == [opt]
+    ema = torch.nn.Linear(3, 4)  # parameters no optimizer of the state owns: synchronous
+    fl2 = S.flatten_state({"model": model, "ema": ema, "nested": [{"o": opt}]})
+    by_path2 = dict(zip([p for p, _ in fl2.items], fl2.deferrable))
+    assert by_path2["model/0.weight"] and not by_path2["ema/weight"]
+    assert by_path2["nested/0/o/state/0/exp_avg"] and fl2.optimizers == [opt]
     out, _ = through_slot({"model": model, "optim": opt})
     sd = opt.state_dict()
     assert list(out["optim"]["state"].keys()) == list(sd["state"].keys())  # int keys stay int
