@@ -244,7 +244,7 @@ class Agent:
             self._write_status()
 
     def _check_control(self, codes) -> Optional[Epoch]:
-        now, restored = time.monotonic(), []
+        now, restored, hung = time.monotonic(), [], []
         for w, code in zip(self.workers, codes):
             rec = self.control.record(w.local_rank)
             if rec["fatal"]:
@@ -258,11 +258,14 @@ class Agent:
             self.hang.observe(w.local_rank, rec["beats"], rec["heartbeat"])
             silent = self.hang.check(w.local_rank, rec["phase"], now)
             if silent is not None:
-                self.events.emit("hang_detected", rank=w.global_rank,
-                                 seconds_silent=round(silent, 3), attempt=self.epoch.attempt)
-                self._fail(w, event="hang_detected", seconds_silent=round(silent, 3))
-                self._dump_stacks()
-                return self.coord.report_failure(self.epoch.attempt)
+                hung.append((w, round(silent, 3)))
+        if hung:  # ranks waiting on a hung peer are silent too: report all, dump all
+            for w, silent in hung:
+                self.events.emit("hang_detected", rank=w.global_rank, seconds_silent=silent,
+                                 attempt=self.epoch.attempt)
+                self._fail(w, event="hang_detected", seconds_silent=silent)
+            self._dump_stacks()
+            return self.coord.report_failure(self.epoch.attempt)
         if not self.restored_emitted and all(r["restored_step"] >= 0 for r in restored):
             self.restored_emitted = True
             step = min(r["restored_step"] for r in restored)

@@ -1,0 +1,50 @@
+"""Shared test helpers: run the real ``ckptrun`` command and check for leftovers."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from typing import List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+
+
+def ckptrun_cmd(*args: str) -> List[str]:
+    """The command line of ``ckptrun ARGS...`` in this interpreter."""
+    return [sys.executable, "-m", "ckptrun.cli", *args]
+
+
+def run_events(run_dir: str) -> List[dict]:
+    """``<run_dir>/events.jsonl`` as a list of dicts."""
+    try:
+        with open(os.path.join(run_dir, "events.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def job_shm_files(run_dir: str) -> List[str]:
+    """``/dev/shm/ckptrun-<token>-*`` files still present for the agents of ``run_dir``.
+
+    Per job token (from the ``start`` events), not a global glob: other tests may run
+    concurrently on the same machine.
+    """
+    tokens = {e.get("job_token") for e in run_events(run_dir) if e["event"] == "start"}
+    return [p for t in tokens if t for p in glob.glob(f"/dev/shm/ckptrun-{t}-*")]
+
+
+@pytest.fixture
+def ckptrun_run():
+    """``ckptrun_run(*args, timeout=..., env=...)`` -> CompletedProcess (text output)."""
+
+    def run(*args: str, timeout: float = 180, env=None, cwd=None):
+        return subprocess.run(ckptrun_cmd(*args), capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=cwd)
+
+    return run
