@@ -326,6 +326,7 @@ class Agent:
                            "persisted_step": None, "persisted_url": None},
             "failures": self.failures, "slots": slots,
             "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
+            "spare_pids": self.launcher.spare_pids(),
         }
 
     def _shutdown(self, code: int) -> None:

@@ -5,7 +5,7 @@ Flags: --steps N, --step-time S, --fail-rank R, and (first attempt only, on rank
 --exit-at K (sys.exit(3)), --fatal-at K (set the control block's fatal flag and sleep);
 --always-crash-at K crashes in every attempt.  --marks FILE appends timing marks (JSON lines):
 "start" when the script begins, "beat1" at the first heartbeat, "kill" just before a crash.
---no-pg skips the process group.
+--no-pg skips the process group; --grandchild starts a ``sleep 300`` child (orphan tests).
 """
 
 from __future__ import annotations
@@ -37,8 +37,14 @@ def main() -> None:
         ap.add_argument(f"--{flag}", type=int, default=-1)
     ap.add_argument("--marks", default="")
     ap.add_argument("--no-pg", action="store_true")
+    ap.add_argument("--grandchild", action="store_true", help="start a `sleep` child process")
     args = ap.parse_args()
     mark(args.marks, "start", t0=T0)
+    if args.grandchild:
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "300"])
+        mark(args.marks, "grandchild", pid=child.pid)
 
     import torch
     import torch.distributed as dist
