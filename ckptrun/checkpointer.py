@@ -276,7 +276,10 @@ class Checkpointer:
         # tensor of the same path/shape/dtype, copy straight into it: module.load_state_dict
         # then copies each tensor onto itself (a no-op) and no fresh memory is touched;
         # otherwise (e.g. optimizer state in a fresh process) take a private copy.
-        live = {p: t for p, t in S.flatten(self._full_state())[1]}
+        # Numpy-backed entries are left out: their memory may be read-only (np.frombuffer);
+        # load_into assigns those arrays itself.
+        fl = S.flatten_state(self._full_state())
+        live = {p: t for p, t in fl.items if p in fl.tensor_paths}
         tensors = []
         for d, v in zip(meta["tensors"], views):
             cur = live.get(d["path"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import math
 import random
+import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -51,10 +52,11 @@ class Flattened:
         self.tree: Any = None
         self.items: List[Tuple[str, torch.Tensor]] = []
         self.deferrable: List[bool] = []
+        self.tensor_paths: Set[str] = set()  # real tensors (numpy-backed ones are not listed)
         self.optimizers: List[torch.optim.Optimizer] = []
         self._paths: Set[str] = set()
 
-    def add(self, path: str, t: torch.Tensor, deferrable: bool) -> int:
+    def add(self, path: str, t: torch.Tensor, deferrable: bool, tensor: bool = True) -> int:
         # Paths are readable keys; a rare collision ("a/b" vs {"a": {"b"}}) gets a suffix.
         unique, n = path, 1
         while unique in self._paths:
@@ -63,6 +65,8 @@ class Flattened:
         self._paths.add(unique)
         self.items.append((unique, t))
         self.deferrable.append(deferrable)
+        if tensor:
+            self.tensor_paths.add(unique)
         return len(self.items) - 1
 
 
@@ -161,13 +165,15 @@ def _enc_ndarray(a: np.ndarray, path: str, fl: Flattened) -> Any:
     if a.dtype.kind in ("O", "V", "U", "S", "M", "m") or a.dtype.hasobject:
         if a.dtype.kind in ("U", "S", "M", "m"):
             raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-            idx = fl.add(path, torch.from_numpy(raw.copy()), False)
+            idx = fl.add(path, torch.from_numpy(raw.copy()), False, tensor=False)
             return {"N": idx, "np": a.dtype.str, "shape": list(a.shape)}
         raise TypeError(f"ckptrun: cannot snapshot numpy array of dtype {a.dtype} at {path!r}")
     native = a.dtype.isnative and a.dtype.kind in _NP_TORCH_KINDS
     if native:
         try:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+            with warnings.catch_warnings():  # read-only arrays are only ever read here
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                t = torch.from_numpy(np.ascontiguousarray(a))
         except TypeError:
             native = False
     if not native:
@@ -175,7 +181,7 @@ def _enc_ndarray(a: np.ndarray, path: str, fl: Flattened) -> Any:
         t = torch.from_numpy(raw)
     # A snapshot must not alias a numpy array the script may keep mutating after save():
     # arrays are copied synchronously (deferrable=False).
-    return {"N": fl.add(path, t, False), "np": a.dtype.str, "shape": list(a.shape)}
+    return {"N": fl.add(path, t, False, tensor=False), "np": a.dtype.str, "shape": list(a.shape)}
 
 
 def unflatten(tree: Any, tensors: List[torch.Tensor]) -> Any:

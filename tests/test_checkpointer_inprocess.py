@@ -195,3 +195,17 @@ def test_standalone_persists_and_a_new_process_resumes_from_storage(tmp_path):
     for a, b in zip(ref, model2.state_dict().values()):
         assert torch.equal(a, b)
     ck2.close()
+
+
+def test_numpy_state_restores_without_writing_into_readonly_arrays():
+    ro = np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint8)  # read-only memory
+    state = {"ro": ro, "rw": np.arange(4.0)}
+    ck = ckptrun.Checkpointer(state, capture_rng=False)
+    ck.save(1)
+    rw = state["rw"]
+    rw += 10
+    state["ro"] = np.frombuffer(b"\x09\x09\x09\x09", dtype=np.uint8)
+    assert ck.restore() == 1
+    assert state["ro"].tolist() == [1, 2, 3, 4] and state["rw"] is rw  # writable: in place
+    assert rw.tolist() == [0.0, 1.0, 2.0, 3.0]
+    ck.close()
