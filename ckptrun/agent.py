@@ -27,9 +27,17 @@ from ckptrun.config import AgentConfig
 from ckptrun.events import EventLog, ensure_run_dir, write_json_atomic
 from ckptrun.hang import HangDetector, dump_stacks
 from ckptrun.reaper import Reaper, unlink_shm
-from ckptrun.rendezvous import FAILED, FATAL, RUN, Epoch, JobCoordinator, Rendezvous
-from ckptrun.workers import (Worker, WorkerLauncher, agent_base_env, stop_workers,
-                             torchrun_env)
+from ckptrun.rendezvous import (
+    FAILED,
+    FATAL,
+    RUN,
+    Epoch,
+    JobCoordinator,
+    Rendezvous,
+    agent_base_env,
+    torchrun_env,
+)
+from ckptrun.workers import Worker, WorkerLauncher, stop_workers
 
 
 class AgentSignal(Exception):

@@ -16,11 +16,12 @@ a previous attempt's keys.
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ckptrun.config import AgentConfig
 
@@ -232,3 +233,37 @@ class JobCoordinator:
                 time.sleep(0.05)
         except Exception:
             pass  # a node that counted itself already left and took the store with it
+
+
+# ---------------------------------------------------------------------------- worker environment
+
+
+def agent_base_env(cfg: AgentConfig) -> Dict[str, str]:
+    """The environment every worker inherits before its own variables: torchrun sets
+    ``OMP_NUM_THREADS=1`` (nproc > 1, unset) and ``TORCHELASTIC_SIGNALS_TO_HANDLE`` in its
+    own ``os.environ``; here they go into a copy, the agent's environment stays untouched."""
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
+    return env
+
+
+def torchrun_env(cfg: AgentConfig, *, local_rank: int, group_rank: int, group_world_size: int,
+                 master_addr: str, master_port: int, attempt: int, run_id: str,
+                 use_agent_store: bool, error_file: str) -> Dict[str, str]:
+    """Exactly the variables torch's LocalElasticAgent gives a worker (homogeneous ranks)."""
+    world = cfg.nproc_per_node * group_world_size
+    rank = group_rank * cfg.nproc_per_node + local_rank
+    env = {
+        "RANK": str(rank), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(rank),
+        "ROLE_NAME": cfg.role, "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": str(group_world_size),
+        "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts), "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "LOCAL_RANK": str(local_rank), "TORCHELASTIC_ERROR_FILE": error_file,
+    }
+    return env

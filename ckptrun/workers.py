@@ -16,6 +16,7 @@ would be killed when that thread ends.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -139,8 +140,7 @@ class _Pump(threading.Thread):
 
 
 def _open_log(path: str) -> IO[bytes]:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    return os.fdopen(fd, "wb")
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
 
 # ---------------------------------------------------------------------------- processes
@@ -158,9 +158,7 @@ class Worker:
     started: float = field(default_factory=time.monotonic)
     pumps: List[_Pump] = field(default_factory=list)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    pid = property(lambda self: self.proc.pid)
 
 
 @dataclass
@@ -270,10 +268,8 @@ class WorkerLauncher:
         if spare is None:
             spare = self._spawn_bootstrap(local_rank, routes, env)
         msg = go_message(cfg, env, argv)
-        try:
+        with contextlib.suppress(BrokenPipeError):  # died meanwhile: its exit code tells
             os.write(spare.go_fd, msg)  # < pipe buffer (64 KiB) for any sane environment
-        except BrokenPipeError:
-            pass  # died meanwhile: the supervisor sees its exit code
         os.close(spare.go_fd)
         pumps = _attach_pumps(spare.pipes, routes, log_dir)
         return Worker(local_rank, global_rank, spare.proc, True, warm, pumps=pumps)
@@ -344,10 +340,9 @@ class WorkerLauncher:
 
 
 def _descendants(pid: int) -> List[psutil.Process]:
-    try:
+    with contextlib.suppress(psutil.Error):
         return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
+    return []
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -373,10 +368,8 @@ def kill_trees(procs: List[subprocess.Popen], grace: float,
                 _signal_group(p, sig)
                 _signal_group(p, signal.SIGCONT)  # a stopped (hung) worker must see it
         for d in tree:
-            try:
+            with contextlib.suppress(psutil.Error):
                 d.send_signal(sig)
-            except psutil.Error:
-                pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.01)
@@ -384,10 +377,8 @@ def kill_trees(procs: List[subprocess.Popen], grace: float,
         tree += _descendants(p.pid)
         _signal_group(p, signal.SIGKILL)
     for d in tree:
-        try:
+        with contextlib.suppress(psutil.Error):
             d.kill()
-        except psutil.Error:
-            pass
     for p in procs:
         try:
             p.wait(timeout=10)
@@ -403,36 +394,3 @@ def stop_workers(workers: List[Worker], grace: float) -> None:
         for pump in w.pumps:
             pump.join(timeout=2)
 
-
-# ---------------------------------------------------------------------------- environment
-
-
-def agent_base_env(cfg: AgentConfig) -> Dict[str, str]:
-    """The environment every worker inherits before its own variables: torchrun sets
-    ``OMP_NUM_THREADS=1`` (nproc > 1, unset) and ``TORCHELASTIC_SIGNALS_TO_HANDLE`` in its
-    own ``os.environ``; here they go into a copy, the agent's environment stays untouched."""
-    env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
-        env["OMP_NUM_THREADS"] = "1"
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
-    return env
-
-
-def torchrun_env(cfg: AgentConfig, *, local_rank: int, group_rank: int, group_world_size: int,
-                 master_addr: str, master_port: int, attempt: int, run_id: str,
-                 use_agent_store: bool, error_file: str) -> Dict[str, str]:
-    """Exactly the variables torch's LocalElasticAgent gives a worker (homogeneous ranks)."""
-    world = cfg.nproc_per_node * group_world_size
-    rank = group_rank * cfg.nproc_per_node + local_rank
-    env = {
-        "RANK": str(rank), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(rank),
-        "ROLE_NAME": cfg.role, "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-        "WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": str(group_world_size),
-        "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": str(attempt),
-        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts), "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "LOCAL_RANK": str(local_rank), "TORCHELASTIC_ERROR_FILE": error_file,
-    }
-    return env

@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import psutil
-
 from conftest import SCRIPTS, ckptrun_cmd, job_shm_files, run_events
 
 TRAIN = os.path.join(SCRIPTS, "agent_train.py")

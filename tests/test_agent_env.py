@@ -1,0 +1,60 @@
+"""Workers get exactly torchrun's environment (plus CKPTRUN_*), for scripts, -m and --no-python."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import SCRIPTS, ckptrun_cmd
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+# differ by construction: ports, ids, error-file path (torchrun: a temp dir), ckptrun's own
+IGNORED = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+def dumps(out: str) -> dict:
+    """{rank: (env, argv)} from the ENVDUMP/ARGV lines of every worker."""
+    envs, argvs = {}, []
+    for line in out.splitlines():
+        if "ENVDUMP " in line:
+            env = json.loads(line.split("ENVDUMP ", 1)[1])
+            envs[int(env["RANK"])] = env
+        elif "ARGV " in line:
+            argvs.append(json.loads(line.split("ARGV ", 1)[1]))
+    return {r: (e, argvs) for r, e in envs.items()}
+
+
+def launch(cmd, cwd) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CKPTRUN_", "PET_", "TORCHELASTIC_", "OMP_NUM_THREADS"))}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return dumps(p.stdout)
+
+
+@pytest.mark.parametrize("form", ["script", "module", "no-python"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_worker_env_matches_torchrun(tmp_path, form, nproc):
+    script = os.path.join(SCRIPTS, "agent_envdump.py")
+    target = {"script": [script], "module": ["-m", "agent_envdump"],
+              "no-python": ["--no-python", sys.executable, script]}[form]
+    common = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3"]
+    ref = launch([TORCHRUN, *common, *target, "a", "--b=1"], SCRIPTS)
+    ours = launch(ckptrun_cmd(*common, "--run-dir", str(tmp_path / "run"), *target, "a",
+                              "--b=1"), SCRIPTS)
+    assert sorted(ref) == sorted(ours) == list(range(nproc))
+    for rank in ref:
+        ref_env, ref_argv = ref[rank]
+        env, argv = ours[rank]
+        ckpt = {k for k in env if k.startswith("CKPTRUN_")}
+        assert {"CKPTRUN_CONTROL", "CKPTRUN_RESTORE", "CKPTRUN_SLOT_PREFIX"} <= ckpt
+        skip = IGNORED | ckpt
+        assert {k: v for k, v in env.items() if k not in skip} == {
+            k: v for k, v in ref_env.items() if k not in skip}
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{env['LOCAL_RANK']}/error.json")
+        assert sorted(argv) == sorted(ref_argv)
+    if nproc == 2:
+        assert ours[0][0]["OMP_NUM_THREADS"] == "1"
