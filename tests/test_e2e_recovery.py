@@ -59,8 +59,13 @@ def reference(tmp_path_factory) -> dict:
     return load(str(d / "final.pt"))
 
 
-def no_shm_left() -> None:
-    assert not glob.glob("/dev/shm/ckptrun-*"), glob.glob("/dev/shm/ckptrun-*")
+def no_shm_left(run_dir: str) -> None:
+    """None of the job's shared-memory files is left behind (the job token names them)."""
+    with open(os.path.join(run_dir, "status.json")) as f:
+        token = json.load(f)["job_token"]
+    assert token
+    left = glob.glob(f"/dev/shm/ckptrun-{token}*")
+    assert not left, left
 
 
 @pytest.mark.parametrize(
@@ -85,7 +90,7 @@ def test_worker_failure_restores_from_memory_bitwise(tmp_path, reference, failur
     assert restored[0]["step"] >= 11
     assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
     assert of(evts, "finished")[-1]["exit_code"] == 0
-    no_shm_left()
+    no_shm_left(run_dir)
 
 
 def test_corrupted_memory_copy_is_never_loaded(tmp_path, reference):
@@ -99,7 +104,7 @@ def test_corrupted_memory_copy_is_never_loaded(tmp_path, reference):
     assert restored and restored[0]["tier"] == "storage", evts
     assert restored[0]["step"] == 10
     assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
-    no_shm_left()
+    no_shm_left(run_dir)
 
 
 def test_agent_killed_then_rerun_resumes_from_storage(tmp_path, reference):
@@ -109,11 +114,11 @@ def test_agent_killed_then_rerun_resumes_from_storage(tmp_path, reference):
     proc = run_job(run_dir, out, "--kill-agent-at", "17", ckptrun_args=["--persist-every", "5"])
     assert proc.returncode != 0
     assert not os.path.exists(out)
-    no_shm_left()
+    no_shm_left(run_dir)
     proc = run_job(run_dir, out, ckptrun_args=["--persist-every", "5"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     restored = of(events(run_dir), "restored")
     assert restored and restored[-1]["tier"] == "storage"
     assert restored[-1]["step"] in (10, 15)
     assert_bitwise_equal(load(out), reference)
-    no_shm_left()
+    no_shm_left(run_dir)
