@@ -14,6 +14,7 @@ Exit codes: 0 success, 1 job failed (restart budget spent), 2 configuration erro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -24,8 +25,8 @@ from typing import Dict, List, Optional
 
 from ckptrun import protocol as P
 from ckptrun.config import AgentConfig
-from ckptrun.events import EventLog, ensure_run_dir, write_json_atomic
-from ckptrun.hang import HangDetector, dump_stacks
+from ckptrun.events import EventLog, ensure_run_dir, read_json, write_json_atomic
+from ckptrun.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.reaper import Reaper, unlink_shm
 from ckptrun.rendezvous import (
     FAILED,
@@ -49,43 +50,76 @@ class AgentSignal(Exception):
 
 
 def _config_error(cfg: AgentConfig) -> Optional[str]:
-    if cfg.nproc_per_node < 1:
-        return f"--nproc-per-node must be >= 1, got {cfg.nproc_per_node}"
-    if cfg.min_nodes < 1 or cfg.max_nodes < cfg.min_nodes:
-        return f"invalid --nnodes {cfg.min_nodes}:{cfg.max_nodes}"
-    if cfg.max_restarts < 0:
-        return "--max-restarts must be >= 0"
-    if cfg.module and cfg.no_python:
-        return "Don't use both the '--no-python' flag and the '--module' flag at the same time."
-    if not cfg.run_dir:
-        return "run_dir is not set"
+    """Last-line checks (args.py validates the command line with friendlier messages)."""
+    for bad, msg in ((cfg.nproc_per_node < 1, "--nproc-per-node must be >= 1"),
+                     (cfg.min_nodes < 1 or cfg.max_nodes < cfg.min_nodes, "invalid --nnodes"),
+                     (cfg.max_restarts < 0, "--max-restarts must be >= 0"),
+                     (cfg.module and cfg.no_python, "--no-python and --module exclude each other"),
+                     (not cfg.run_dir, "run_dir is not set")):
+        if bad:
+            return msg
     return None
 
 
 def node_memory(job_token: str, num_slots: int):
-    """The memory tier's agent-side view, or None until ``ckptrun/memory.py`` exists."""
-    try:
+    """The memory tier's agent-side view, or None if ``ckptrun/memory.py`` is absent."""
+    with contextlib.suppress(ImportError):
         from ckptrun.memory import NodeMemory
-    except ImportError:
-        return None
-    return NodeMemory(job_token, num_slots)
+        return NodeMemory(job_token, num_slots)
+    return None
+
+
+# Other tiers plug in here without editing this file: a module listed below may define
+# ``agent_extension(agent) -> object | None``.  The object may implement any of
+#   restore_step(ranks, attempt, max_step) -> (step, tier) | None   (materialise the newest
+#       step <= max_step (None: any) of ``ranks`` into their slot files, before workers start)
+#   attempt_started(attempt), tick(), finished(exit_code), checkpoint_status() -> dict
+# Restore order: memory, then these in list order (peer memory, then durable storage).
+EXTENSION_MODULES = ("ckptrun.replicator", "ckptrun.persister")
+
+
+def load_extensions(agent) -> list:
+    """Instantiate the tier extensions that exist in this build."""
+    import importlib
+
+    exts = []
+    for name in EXTENSION_MODULES:
+        try:
+            factory = getattr(importlib.import_module(name), "agent_extension", None)
+        except ImportError:
+            continue
+        ext = factory(agent) if factory is not None else None
+        if ext is not None:
+            exts.append(ext)
+    return exts
 
 
 def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
-                   forced_step: Optional[int] = None) -> Dict[str, object]:
+                   forced_step: Optional[int] = None, tiers=()) -> Dict[str, object]:
     """The ``CKPTRUN_RESTORE`` value for this attempt: the newest step every rank of the job
-    has in memory (agreed across nodes), after dropping newer slots of an abandoned timeline.
-
-    Hook for the other tiers: when memory has nothing, peers (replication) and then durable
-    storage (persister / ``--resume-from``) are asked here, in that order.
+    can restore -- from memory, else from the tiers (peers, storage) -- agreed across nodes;
+    then slots of an abandoned, newer timeline are dropped.  ``forced_step``: a rollback.
     """
-    local = memory.common_step(ranks) if memory is not None and attempt > 0 else None
-    if forced_step is not None and local is not None:
-        local = min(local, forced_step)
-    step = coord.agree_restore_step(attempt, local)
-    if step is not None and step > 0:
-        memory.discard_newer(ranks, step)
-        return {"step": step, "tier": "memory"}
+    local = None
+    if memory is not None:
+        if forced_step is None:
+            local = memory.common_step(ranks)
+        elif all(memory.verify(r, forced_step) for r in ranks):
+            local = forced_step
+    step, tier = coord.agree_restore_step(f"{attempt}/memory", local), "memory"
+    for i, ext in enumerate(t for t in tiers if hasattr(t, "restore_step")):
+        if step:
+            break
+        got = ext.restore_step(ranks, attempt, forced_step)
+        step, tier = coord.agree_restore_step(f"{attempt}/{i}", got and got[0]), got[1] if got else tier
+        if step and coord.nnodes > 1:  # a node offered less: every node materialises that
+            if got[0] != step:
+                got = ext.restore_step(ranks, attempt, step)
+            step = coord.agree_restore_step(f"{attempt}/{i}/2", step if got and got[0] == step else None)
+    if step and step > 0:
+        if memory is not None:
+            memory.discard_newer(ranks, step)
+        return {"step": step, "tier": tier}
     return {"step": 0}
 
 
@@ -113,10 +147,7 @@ class Agent:
         self.control = P.ControlBlock(P.control_path(self.token), self.cfg.nproc_per_node,
                                       create=True)
         self.memory = node_memory(self.token, self.cfg.num_slots)
-        base = agent_base_env(self.cfg)
-        warm = os.environ.get("CKPTRUN_WARM_SPARES", "1") != "0"
-        delay = float(os.environ.get("CKPTRUN_SPARE_DELAY", "3"))
-        self.launcher = WorkerLauncher(self.cfg, base, spares=warm, spare_delay=delay,
+        self.launcher = WorkerLauncher(self.cfg, agent_base_env(self.cfg),
                                        on_spawn=self.reaper.watch)
         old = {s: signal.signal(s, self._on_signal) for s in _signals(self.cfg)}
         try:
@@ -132,7 +163,7 @@ class Agent:
                 signal.signal(s, h)
         return code
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:  # raised wherever the main thread is
         raise AgentSignal(signum)
 
     def _run(self) -> int:
@@ -142,14 +173,13 @@ class Agent:
         self.coord = JobCoordinator(self.info.store, self.info.group_rank,
                                     self.info.group_world_size, cfg.max_restarts)
         self.epoch = self.coord.init()
+        self.extensions = load_extensions(self)
         self.events.emit("start", nnodes=self.info.group_world_size,
                          nproc_per_node=cfg.nproc_per_node, node=self.info.group_rank,
                          run_id=self.info.run_id, job_token=self.token)
         while True:
-            if self.epoch.state == FAILED:
-                return 1
-            if self.epoch.state == FATAL:
-                return 2
+            if self.epoch.state in (FAILED, FATAL):
+                return 1 if self.epoch.state == FAILED else 2
             self._start_group()
             outcome = self._supervise()
             self._stop_group()
@@ -174,13 +204,13 @@ class Agent:
 
     def _start_group(self) -> None:
         cfg, info, attempt = self.cfg, self.info, self.epoch.attempt
-        self.restore = decide_restore(self.memory, self._ranks(), self.coord, attempt)
+        self.restore = decide_restore(self.memory, self._ranks(), self.coord, attempt,
+                                      self.coord.rollback_step(attempt), self.extensions)
         self.restored_emitted = False
         port = self.coord.master_port(attempt, info)
         logs = os.path.join(cfg.log_dir or os.path.join(self.run_dir, "logs"),
                             f"attempt_{attempt}")
-        stacks = os.path.join(self.run_dir, "stacks")
-        os.makedirs(stacks, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
         self.hang.reset()
         self.workers = []
         for lr, rank in enumerate(self._ranks()):
@@ -197,12 +227,13 @@ class Agent:
                 P.ENV_CONTROL: self.control.path, P.ENV_SLOT_PREFIX: self._slot_prefix(rank),
                 P.ENV_NUM_SLOTS: str(cfg.num_slots), P.ENV_RESTORE: json.dumps(self.restore),
                 P.ENV_RUN_DIR: self.run_dir,
-                P.ENV_STACKS_FILE: os.path.join(stacks, f"attempt_{attempt}-rank{rank}.txt"),
+                P.ENV_STACKS_FILE: stacks_path(self.run_dir, attempt, rank),
             })
             if cfg.persist_to:
                 env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
             self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
         self.launcher.schedule_spares()
+        self._call("attempt_started", attempt)
         self.state = "running"
         self._write_status(force=True)
 
@@ -210,13 +241,11 @@ class Agent:
         stop_workers(self.workers, self.cfg.shutdown_timeout)
         for w in self.workers:
             self.reaper.forget(w.pid)
-            path = os.path.join(self.run_dir, "stacks",
-                                f"attempt_{self.epoch.attempt}-rank{w.global_rank}.txt")
-            try:  # every bootstrap opens its stacks file; keep only real dumps
+            # every bootstrap opens its stacks file; keep only real dumps
+            path = stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)
+            with contextlib.suppress(OSError):
                 if os.path.getsize(path) == 0:
                     os.unlink(path)
-            except OSError:
-                pass
 
     def _fail(self, w: Worker, **fields) -> None:
         rec = {"time": time.time(), "rank": w.global_rank, "local_rank": w.local_rank,
@@ -249,6 +278,12 @@ class Agent:
             epoch = self.coord.poll()
             if epoch != self.epoch:
                 return epoch  # another node failed: restart here too
+            rollback = read_json(os.path.join(self.run_dir, "rollback.json"))
+            if rollback is not None:  # ``ckptrun restore --rollback N``: not a failure
+                os.unlink(os.path.join(self.run_dir, "rollback.json"))
+                self.coord.set_rollback(attempt + 1, int(rollback["step"]))
+                return self.coord.request_restart(attempt)
+            self._call("tick")
             self._write_status()
 
     def _check_control(self, codes) -> Optional[Epoch]:
@@ -283,12 +318,8 @@ class Agent:
         return None
 
     def _dump_stacks(self) -> None:
-        stacks = os.path.join(self.run_dir, "stacks")
-        targets = []
-        for w in self.workers:
-            if w.proc.poll() is None:
-                path = os.path.join(stacks, f"attempt_{self.epoch.attempt}-rank{w.global_rank}.txt")
-                targets.append((w.pid, w.bootstrapped, path, path))
+        targets = [(w.pid, w.bootstrapped, p, p) for w in self.workers if w.proc.poll() is None
+                   for p in [stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)]]
         for path in dump_stacks(targets):
             self.events.emit("stacks_dumped", path=path)
 
@@ -304,49 +335,44 @@ class Agent:
         """The ``status.json`` object (DESIGN §1 keys plus the agent's own)."""
         cfg, now = self.cfg, time.monotonic()
         info = getattr(self, "info", None)
-        workers, committed = [], []
-        for w in self.workers:
-            rec = self.control.record(w.local_rank)
-            code = w.proc.poll()
-            state = ("running" if code is None else "succeeded" if code == 0 else "failed")
-            workers.append({
-                "rank": w.global_rank, "local_rank": w.local_rank,
-                "node": info.group_rank if info else 0, "pid": w.pid, "state": state,
-                "step": rec["step"], "warm": w.warm,
-                "heartbeat_age_s": round(now - rec["heartbeat"], 3) if rec["beats"] else None,
-            })
-            committed.append(rec["committed_step"])
-        slots = {}
-        for w in self.workers:
-            prefix = self._slot_prefix(w.global_rank)
-            slots[str(w.global_rank)] = [p for p in (P.slot_path(prefix, k)
-                                                     for k in range(cfg.num_slots))
-                                         if os.path.exists(p)]
-        memory_step = min(committed) if committed and min(committed) >= 0 else None
+        recs = [self.control.record(w.local_rank) for w in self.workers]
+        workers = [w.row(r, info.group_rank if info else 0, now) for w, r in zip(self.workers, recs)]
+        committed = [r["committed_step"] for r in recs]
+        slots = {str(w.global_rank): [p for k in range(cfg.num_slots) for p in
+                                      [P.slot_path(self._slot_prefix(w.global_rank), k)]
+                                      if os.path.exists(p)] for w in self.workers}
+        checkpoint = {"memory_step": min(committed) if committed and min(committed) >= 0
+                      else None, "peer_step": None, "persisted_step": None,
+                      "persisted_url": None}
+        for ext in getattr(self, "extensions", []):
+            if hasattr(ext, "checkpoint_status"):
+                checkpoint.update(ext.checkpoint_status())
         return {
             "run_id": info.run_id if info else cfg.rdzv_id, "state": self.state,
             "restarts": self.epoch.restarts, "attempt": self.epoch.attempt,
             "nnodes": info.group_world_size if info else cfg.min_nodes,
             "nproc_per_node": cfg.nproc_per_node, "node": info.group_rank if info else 0,
             "agent_pid": os.getpid(), "updated": time.time(), "job_token": self.token,
-            "persist_to": cfg.persist_to, "workers": workers,
-            "checkpoint": {"memory_step": memory_step, "peer_step": None,
-                           "persisted_step": None, "persisted_url": None},
+            "persist_to": cfg.persist_to, "workers": workers, "checkpoint": checkpoint,
             "failures": self.failures, "slots": slots,
             "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
             "spare_pids": self.launcher.spare_pids(),
         }
 
+    def _call(self, method: str, *args) -> None:
+        for ext in getattr(self, "extensions", []):
+            if hasattr(ext, method):
+                getattr(ext, method)(*args)
+
     def _shutdown(self, code: int) -> None:
         try:
             stop_workers(self.workers, self.cfg.shutdown_timeout)
+            self._call("finished", code)  # e.g. the final persist of a successful job
         finally:
             self.launcher.close()
             self.state = "succeeded" if code == 0 else "failed"
-            try:
+            with contextlib.suppress(Exception):
                 self._write_status(force=True)
-            except Exception:
-                pass
             self.events.emit("finished", exit_code=code)
             if self.memory is not None:
                 self.memory.cleanup()
@@ -359,12 +385,9 @@ class Agent:
 
 
 def _signals(cfg: AgentConfig) -> List[int]:
-    names = [s.strip() for s in (cfg.signals_to_handle or "").split(",") if s.strip()]
-    sigs = {signal.SIGTERM, signal.SIGINT}
-    for n in names:
-        if hasattr(signal, n):
-            sigs.add(getattr(signal, n))
-    return sorted(sigs)
+    names = {n.strip() for n in (cfg.signals_to_handle or "").split(",")}
+    return sorted({signal.SIGTERM, signal.SIGINT} | {
+        getattr(signal, n) for n in names if n.startswith("SIG") and hasattr(signal, n)})
 
 
 def run_agent(cfg: AgentConfig) -> int:

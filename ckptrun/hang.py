@@ -92,6 +92,11 @@ class HangDetector:
 # ---------------------------------------------------------------------------- stacks
 
 
+def stacks_path(run_dir: str, attempt: int, rank: int) -> str:
+    """``<run-dir>/stacks/attempt_<k>-rank<r>.txt``: where a worker's stack dump goes."""
+    return os.path.join(run_dir, "stacks", f"attempt_{attempt}-rank{rank}.txt")
+
+
 def _py_spy(pid: int, timeout: float = 5.0) -> Optional[str]:
     exe = shutil.which("py-spy")
     if exe is None:

@@ -169,18 +169,19 @@ class JobCoordinator:
         return self._advance(attempt, lambda cur: Epoch(cur.attempt + 1, cur.restarts))
 
     # -- per-attempt agreements ----------------------------------------------------------
-    def _gather(self, name: str, attempt: int, value: str) -> List[str]:
-        prefix = f"{KEY_PREFIX}{name}/{attempt}/"
+    def _gather(self, name: str, key: str, value: str) -> List[str]:
+        prefix = f"{KEY_PREFIX}{name}/{key}/"
         self.store.set(prefix + str(self.group_rank), value)
         keys = [prefix + str(g) for g in range(self.nnodes)]
         self.store.wait(keys, self.timeout)
         return [v.decode() for v in self.store.multi_get(keys)]
 
-    def agree_restore_step(self, attempt: int, local_step: Optional[int]) -> Optional[int]:
-        """The newest step every node can restore (min over nodes); None if one has none."""
+    def agree_restore_step(self, key: str, local_step: Optional[int]) -> Optional[int]:
+        """The step every node can restore (min over nodes); None if one has none.
+        ``key`` names the round (attempt and tier): each round is used once."""
         if self.nnodes == 1:
             return local_step
-        steps = [int(v) for v in self._gather("restore", attempt, str(
+        steps = [int(v) for v in self._gather("restore", key, str(
             -1 if local_step is None else local_step))]
         return None if min(steps) < 0 else min(steps)
 
@@ -211,6 +212,14 @@ class JobCoordinator:
             self.store.compare_set(key, "", str(port))
         self.store.wait([key], self.timeout)
         return int(self.store.get(key))
+
+    def set_rollback(self, attempt: int, step: int) -> None:
+        """Attempt ``attempt`` restores exactly ``step`` (``ckptrun restore --rollback``)."""
+        self.store.set(f"{KEY_PREFIX}rollback/{attempt}", str(step))
+
+    def rollback_step(self, attempt: int) -> Optional[int]:
+        key = f"{KEY_PREFIX}rollback/{attempt}"
+        return int(self.store.get(key)) if self.store.check([key]) else None
 
     def mark_done(self, attempt: int) -> None:
         """This node's workers all succeeded in ``attempt``."""

@@ -70,7 +70,6 @@ class StreamRoute:
 
 def _parse_std(spec: str, nproc: int) -> Dict[int, int]:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
-
     return {k: int(v) for k, v in to_map(Std.from_str(spec), nproc).items()}
 
 
@@ -160,6 +159,14 @@ class Worker:
 
     pid = property(lambda self: self.proc.pid)
 
+    def row(self, rec: dict, node: int, now: float) -> dict:
+        """This worker in ``status.json`` (``rec``: its control-block record)."""
+        code = self.proc.poll()
+        return {"rank": self.global_rank, "local_rank": self.local_rank, "node": node,
+                "pid": self.pid, "step": rec["step"], "warm": self.warm,
+                "state": "running" if code is None else "succeeded" if code == 0 else "failed",
+                "heartbeat_age_s": round(now - rec["heartbeat"], 3) if rec["beats"] else None}
+
 
 @dataclass
 class _Spare:
@@ -239,12 +246,12 @@ def script_args(cfg: AgentConfig, local_rank: int) -> List[str]:
 class WorkerLauncher:
     """Starts workers (from a warm spare when one is ready) and keeps spares for restarts."""
 
-    def __init__(self, cfg: AgentConfig, base_env: Dict[str, str], spares: bool = True,
-                 spare_delay: float = 3.0, on_spawn=None):
+    def __init__(self, cfg: AgentConfig, base_env: Dict[str, str], on_spawn=None):
         self.cfg = cfg
         self.base_env = base_env  # the agent's environment + job-constant worker variables
-        self.use_spares = spares and not cfg.no_python
-        self.spare_delay = spare_delay
+        # knobs for measurements: CKPTRUN_WARM_SPARES=0 (cold restarts), CKPTRUN_SPARE_DELAY
+        self.use_spares = os.environ.get("CKPTRUN_WARM_SPARES", "1") != "0" and not cfg.no_python
+        self.spare_delay = float(os.environ.get("CKPTRUN_SPARE_DELAY", "3"))
         self.on_spawn = on_spawn or (lambda pid: None)  # tells the reaper
         self._spares: Dict[int, _Spare] = {}
         self._spares_due: Optional[float] = None
@@ -346,10 +353,8 @@ def _descendants(pid: int) -> List[psutil.Process]:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)  # the worker leads its own process group
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def kill_trees(procs: List[subprocess.Popen], grace: float,
@@ -380,10 +385,8 @@ def kill_trees(procs: List[subprocess.Popen], grace: float,
         with contextlib.suppress(psutil.Error):
             d.kill()
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state)
             p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # unkillable (D state): nothing more to do
-            pass
     psutil.wait_procs(tree, timeout=1)
 
 
