@@ -98,7 +98,8 @@ class Checkpointer:
         self.last_copy_s = 0.0  # background copy + checksum of the last save
         self.last_hash_s = 0.0  # the checksum's share of it
         self._closed = False
-        for opt in S.find_optimizers(state):
+        self._adapters: Dict[Any, Any] = {}  # adapter objects (DDP unwrap, FSDP2 wrappers)
+        for opt in S.find_optimizers(self._view()):
             self._hook(opt)
 
     # ------------------------------------------------------------------ public API
@@ -122,7 +123,8 @@ class Checkpointer:
         dset = set(deferred)
         sync = [i for i in range(len(tensors)) if i not in dset]
         offsets, data_len = layout(nbytes, sync + deferred)  # the sync part is hashed first
-        meta = S.make_meta(step, self.rank, self.world_size, fl.tree, fl.items, offsets)
+        meta = S.make_meta(step, self.rank, self.world_size, fl.tree, fl.items, offsets,
+                           fl.shards)
         mj = meta_bytes(meta)
         k = self._slots.choose(self._pin())
         if k is None:
@@ -213,10 +215,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
+    def _view(self) -> Dict[str, Any]:
+        """The state as snapshotted: framework wrappers adapted (``ckptrun.adapters``)."""
+        from ckptrun.adapters import adapt_state
+
+        return adapt_state(self.state, self._adapters)
+
     def _full_state(self) -> Dict[str, Any]:
+        view = self._view()
         if not self.capture_rng:
-            return self.state
-        full = dict(self.state)
+            return view
+        full = dict(view)
         full[self._rng_key] = S.capture_rng()
         return full
 
@@ -298,7 +307,12 @@ class Checkpointer:
         rng = restored.pop(self._rng_key, None) if self.capture_rng else None
         if not self.capture_rng:
             restored.pop(self._rng_key, None)
-        S.load_into(self.state, restored)
+        view = self._view()
+        target = dict(view)
+        S.load_into(target, restored)
+        for k, v in target.items():  # plain entries are replaced in the script's own dict
+            if k not in view or view[k] is self.state.get(k, view[k]):
+                self.state[k] = v
         if rng is not None:
             S.restore_rng(rng)
 

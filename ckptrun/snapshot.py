@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import math
 import random
+import sys
 import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -54,6 +55,9 @@ class Flattened:
         self.deferrable: List[bool] = []
         self.tensor_paths: Set[str] = set()  # real tensors (numpy-backed ones are not listed)
         self.optimizers: List[torch.optim.Optimizer] = []
+        # index -> DTensor layout (global_shape, global_offset, placements, mesh_shape): the
+        # snapshot holds the local shard; storage writes it as a sharded DCP chunk.
+        self.shards: Dict[int, Dict[str, Any]] = {}
         self._paths: Set[str] = set()
 
     def add(self, path: str, t: torch.Tensor, deferrable: bool, tensor: bool = True) -> int:
@@ -86,17 +90,33 @@ def flatten_state(state: Any) -> Flattened:
     fl.optimizers = find_optimizers(state)
     live: Set[int] = set()
     for opt in fl.optimizers:
-        live.update(p.data_ptr() for g in opt.param_groups for p in g["params"] if p.numel())
-        live.update(t.data_ptr() for st in opt.state.values() for t in st.values()
+        live.update(_ptr(p) for g in opt.param_groups for p in g["params"] if p.numel())
+        live.update(_ptr(t) for st in opt.state.values() for t in st.values()
                     if isinstance(t, torch.Tensor) and t.numel())
     fl.tree = _enc(state, "", fl, live)
     return fl
 
 
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module:
+    if it was never imported, no DTensor exists)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(x, cls)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.to_local().data_ptr() if is_dtensor(t) else t.data_ptr()
+
+
 def find_optimizers(x: Any, depth: int = 0) -> List[torch.optim.Optimizer]:
-    """Optimizers reachable through the dicts/lists/tuples of a state (a few levels deep)."""
+    """Optimizers reachable through the dicts/lists/tuples of a state (a few levels deep),
+    and those an adapter object declares in its ``ckptrun_optimizers`` attribute."""
     if isinstance(x, torch.optim.Optimizer):
         return [x]
+    declared = getattr(x, "ckptrun_optimizers", None)
+    if declared is not None and not isinstance(x, (dict, list, tuple)):
+        return list(declared)
     if depth >= 4 or not isinstance(x, (dict, list, tuple)):
         return []
     found: List[torch.optim.Optimizer] = []
@@ -119,6 +139,8 @@ def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         return x
     if type(x) is float:
         return x if math.isfinite(x) else {"f": repr(x)}
+    if is_dtensor(x):
+        return _enc_dtensor(x, path, fl, live)
     if isinstance(x, torch.Tensor):
         if x.is_sparse or x.layout != torch.strided:
             raise TypeError(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
@@ -151,6 +173,26 @@ def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         f"{path or '<root>'!r}: use tensors, numpy arrays, plain Python data or objects with "
         "state_dict()/load_state_dict()"
     )
+
+
+def _enc_dtensor(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
+    """A DTensor travels as its local shard (a plain ``"T"`` node, so every reader sees a
+    tensor) plus its layout in ``fl.shards``; the adapter turns it back into a DTensor."""
+    placements = []
+    for p in x.placements:
+        if p.is_shard():
+            placements.append(f"S{p.dim}")
+        elif p.is_replicate():
+            placements.append("R")
+        else:  # Partial: the value is a pending reduction, not state
+            raise TypeError(f"ckptrun: cannot snapshot a DTensor with placement {p} at {path!r}")
+    local = x.to_local().detach()
+    chunk = x.__create_chunk_list__()[0]  # the DCP chunk of this rank's shard
+    deferrable = live is not None and local.numel() > 0 and local.data_ptr() in live
+    idx = fl.add(path, local, deferrable)
+    fl.shards[idx] = {"global_shape": list(x.shape), "global_offset": list(chunk.offsets),
+                      "placements": placements, "mesh_shape": list(x.device_mesh.shape)}
+    return {"T": idx}
 
 
 def _enc_key(k: Any, path: str) -> Any:
@@ -293,9 +335,11 @@ def restore_rng(rng: Dict[str, Any]) -> None:
 
 
 def make_meta(step: int, rank: int, world_size: int, tree: Any,
-              items: List[Tuple[str, torch.Tensor]], offsets: List[int]) -> Dict[str, Any]:
-    """The agreed ``meta`` dict for one rank's snapshot (offsets are in the slot data area)."""
-    return {
+              items: List[Tuple[str, torch.Tensor]], offsets: List[int],
+              shards: Optional[Dict[int, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The agreed ``meta`` dict for one rank's snapshot (offsets are in the slot data area).
+    ``shards`` (:attr:`Flattened.shards`) adds the DTensor layout fields to those tensors."""
+    meta = {
         "format": FORMAT,
         "step": int(step),
         "rank": int(rank),
@@ -307,3 +351,6 @@ def make_meta(step: int, rank: int, world_size: int, tree: Any,
             for (p, t), o in zip(items, offsets)
         ],
     }
+    for i, layout in (shards or {}).items():
+        meta["tensors"][i].update(layout)
+    return meta

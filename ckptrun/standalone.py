@@ -116,7 +116,9 @@ class StandalonePersister:
 
     def read(self, step: int) -> Optional[Snapshot]:
         storage = _storage()
-        return None if storage is None else storage.read_rank(self.url, step, self.rank)
+        # A different world size than the saved one reshards DTensor state (FSDP2).
+        return None if storage is None else storage.read_rank(self.url, step, self.rank,
+                                                              world_size=self.world_size)
 
 
 def _all_gather_json(obj: Any) -> List[Any]:

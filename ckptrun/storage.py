@@ -25,7 +25,9 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ckptrun import shards
 
 Snapshot = Tuple[Dict[str, Any], List[torch.Tensor]]
 PartInfo = Dict[str, Any]  # JSON-able: {"node", "step", "ranks": {r: {...}}, "bytes", "seconds"}
@@ -113,49 +115,50 @@ def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int =
                 threads: int = 1, standalone: bool = False) -> PartInfo:
     """Write one node's ranks (``{rank: (meta, tensors)}``) of ``step`` as DCP data files into
     ``<url>/step-<step>/`` (``standalone``: into ``url`` itself, for exports).  Returns the
-    JSON-able part for :func:`finalize`; the step stays invisible until finalized."""
+    JSON-able part for :func:`finalize`; the step stays invisible until finalized.
+
+    A tensor byte-identical to the same path of a lower rank written here (replicated DDP
+    state) is stored once; DTensor shards go under one global key at their offsets."""
     t0 = time.monotonic()
     fs, sdir = _step_dir(url, None if standalone else step)
-    state: Dict[str, torch.Tensor] = {}
-    for rank, (meta, tensors) in sorted(snapshots.items()):
-        descs = meta.get("tensors", [])
-        if len(descs) != len(tensors):
-            raise StorageError(f"rank {rank}: meta describes {len(descs)} tensors, got {len(tensors)}")
-        for d, t in zip(descs, tensors):
-            if d["path"] == META_KEY:
-                raise StorageError(f"rank {rank}: tensor path {META_KEY!r} is reserved")
-            state[f"rank{rank}/{d['path']}"] = t.detach().cpu().contiguous()
-        raw = json.dumps(meta, separators=(",", ":")).encode()
-        state[f"rank{rank}/{META_KEY}"] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    try:
+        chunks, plan = shards.plan_chunks(snapshots, checksum, META_KEY)
+    except ValueError as e:
+        raise StorageError(str(e)) from e
     _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # a rewrite never looks complete midway
-    sums = {key: checksum(t) for key, t in state.items()}
-    planner, writer = DefaultSavePlanner(), _writer(fs, sdir, max(1, threads))
-    planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
+    planner, writer = shards.ChunkPlanner(chunks), _writer(fs, sdir, max(1, threads))
+    planner.set_up_planner(None, storage_meta=None, is_coordinator=True)
     # use_collectives=False + rank=node gives this node's files their own "__<node>_" prefix.
     writer.set_up_storage_writer(True, rank=int(node), use_collectives=False)
-    plan = planner.finish_plan(writer.prepare_local_plan(planner.create_local_plan()))
+    dcp_plan = planner.finish_plan(writer.prepare_local_plan(planner.create_local_plan()))
     # xxh3 guards the bytes; torch.save's CRC32 pass is redundant (1.5x slower; load skips it).
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        results = writer.write_data(plan, planner).wait()
+        results = writer.write_data(dcp_plan, planner).wait()
     finally:
         torch.serialization.set_crc32_options(crc)
+    by_key = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in results}
     ranks: Dict[str, Dict[str, Any]] = {str(r): {"meta": None, "tensors": []} for r in snapshots}
-    by_key = {r.index.fqn: r for r in results}
     total = 0
-    for key, t in state.items():
-        info = by_key[key].storage_data
-        entry = {"key": key, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
-                 "nbytes": t.numel() * t.element_size(), "file": info.relative_path,
-                 "offset": int(info.offset), "length": int(info.length), "checksum": sums[key]}
-        total += entry["length"]
-        rank_s, _, path = key.partition("/")
-        slot = ranks[rank_s[len("rank"):]]
-        if path == META_KEY:
-            slot["meta"] = entry
+    for rank_s, entry, where in plan:
+        if isinstance(where, int):  # alias of an earlier entry: same bytes
+            src = plan[where][1]
+            entry.update({k: src[k] for k in ("file", "offset", "length")}, alias=src["key"])
+        elif where is None:
+            entry.update(file=None, offset=0, length=0)
         else:
-            slot["tensors"].append(dict(entry, path=path))
+            info = by_key[where]
+            entry.update(file=info.relative_path, offset=int(info.offset), length=int(info.length))
+            total += entry["length"]
+        path = entry["key"].partition("/")[2] if not entry.get("global_shape") else None
+        if path == META_KEY:
+            ranks[rank_s]["meta"] = entry
+        else:
+            ranks[rank_s]["tensors"].append(entry)
+    for rank_s, (meta, _) in ((str(r), v) for r, v in snapshots.items()):
+        for e, d in zip(ranks[rank_s]["tensors"], meta.get("tensors", [])):
+            e["path"] = d["path"]
     return {"node": int(node), "step": int(step), "ranks": ranks, "bytes": total,
             "seconds": time.monotonic() - t0}
 
@@ -164,9 +167,6 @@ def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int,
              standalone: bool = False) -> Dict[str, Any]:
     """Make ``step`` visible: DCP's ``.metadata``, then ``ckptrun.json`` (returned) last.
     ``parts`` (every node's :func:`write_parts`) must cover ranks ``0..world_size-1`` once."""
-    from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.storage import WriteResult
-
     import ckptrun
 
     ranks: Dict[str, Any] = {}
@@ -180,23 +180,11 @@ def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int,
     missing = sorted(set(range(world_size)) - {int(r) for r in ranks})
     if missing:
         raise StorageError(f"step {step}: no data for ranks {missing}")
-    sd_md, planner_data, results, files = {}, {}, [], {}
-    for r in sorted(ranks, key=int):
-        for e in [ranks[r]["meta"], *ranks[r]["tensors"]]:
-            size = torch.Size(e["shape"])
-            zero = torch.Size([0] * len(size))
-            sd_md[e["key"]] = md.TensorStorageMetadata(
-                properties=md.TensorProperties(dtype=_dtype(e["dtype"])), size=size,
-                chunks=[md.ChunkStorageMetadata(offsets=zero, sizes=size)])
-            planner_data[e["key"]] = (e["key"],)
-            results.append(WriteResult(index=md.MetadataIndex(e["key"], zero, 0),
-                                       size_in_bytes=e["length"],
-                                       storage_data=_storage_info(e["file"], e["offset"], e["length"])))
-            files[e["file"]] = max(files.get(e["file"], 0), e["offset"] + e["length"])
+    metadata, results, files = shards.dcp_metadata(ranks, _dtype, _storage_info)
     fs, sdir = _step_dir(url, None if standalone else step)
     writer = _writer(fs, sdir, 1)
     writer.set_up_storage_writer(True)  # collective layout: one global ".metadata"
-    writer.finish(md.Metadata(state_dict_metadata=sd_md, planner_data=planner_data), [results])
+    writer.finish(metadata, [results])
     index = {
         "format": FORMAT, "step": int(step), "world_size": int(world_size), "time": time.time(),
         "ckptrun_version": ckptrun.__version__, "torch_version": torch.__version__,
@@ -257,24 +245,43 @@ def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
     return index if ok else None
 
 
-def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True) -> Snapshot:
-    """One rank's ``(meta, tensors)``, checksums verified (``step=None``: ``url`` is the step dir)."""
+def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
+              world_size: Optional[int] = None) -> Snapshot:
+    """One rank's ``(meta, tensors)``, checksums verified (``step=None``: ``url`` is the step dir).
+
+    ``world_size`` other than the saved one reshards: DTensor shards are cut for ``rank`` of
+    ``world_size`` from every stored chunk; the rest of the state (RNG, plain data, unsharded
+    tensors) comes from saved rank ``rank % saved world size``."""
     index = read_index(url, step)
     if index is None:
         raise StorageError(f"step {step} is not a complete checkpoint in {url}")
-    entry = index["ranks"].get(str(rank))
+    saved = int(index["world_size"])
+    reshard = world_size is not None and int(world_size) != saved
+    src = rank % saved if reshard else rank
+    entry = index["ranks"].get(str(src))
     if entry is None:
-        raise StorageError(f"step {step} in {url} has no rank {rank} (world size {index['world_size']})")
+        raise StorageError(f"step {step} in {url} has no rank {rank} (world size {saved})")
     fs, sdir = _step_dir(url, step)
-    loaded = _read_entries(fs, sdir, [entry["meta"], *entry["tensors"]], verify)
-    meta = json.loads(bytes(loaded[0].numpy()))
-    return meta, loaded[1:]
+    plain = [e for e in entry["tensors"] if not (reshard and "global_shape" in e)]
+    loaded = iter(_read_entries(fs, sdir, [entry["meta"], *plain], verify))
+    meta = json.loads(bytes(next(loaded).numpy()))
+    if not reshard:
+        return meta, list(loaded)
+    everyone = [e for r in index["ranks"].values() for e in r["tensors"] if "global_shape" in e]
+    try:
+        return meta, shards.reshard(meta, entry["tensors"], everyone, loaded, rank, int(world_size),
+                                    lambda x: _read_entries(fs, sdir, [x], verify)[0])
+    except ValueError as err:
+        raise StorageError(str(err)) from err
 
 
 def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) -> List[torch.Tensor]:
     out: List[Optional[torch.Tensor]] = [None] * len(entries)
     by_file: Dict[str, List[int]] = {}
     for i, e in enumerate(entries):
+        if e["file"] is None:  # an empty shard: nothing was stored
+            out[i] = torch.empty(e["shape"], dtype=_dtype(e["dtype"]))
+            continue
         by_file.setdefault(e["file"], []).append(i)
     for name, idxs in by_file.items():
         idxs.sort(key=lambda i: entries[i]["offset"])  # sequential reads hit the read-ahead cache

@@ -1,0 +1,64 @@
+"""FSDP2 job for the adapter tests: fully_shard MLP, AdamW, dropout, gloo on CPU.
+
+``--steps N`` trains to step N (resuming from whatever ``Checkpointer.restore()`` finds);
+``--crash-at K`` SIGKILLs rank 1 after step K in the first attempt; ``--out F`` writes every
+rank's full (gathered) model and optimizer state, from rank 0, with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import ckptrun
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--crash-at", type=int, default=-1)
+    p.add_argument("--out", default="")
+    p.add_argument("--persist-to", default=None)
+    p.add_argument("--persist-every", type=int, default=None)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Dropout(0.1), nn.Linear(33, 5))
+    for layer in (model[0], model[3]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1 + rank)
+    ckpt = ckptrun.Checkpointer({"model": model, "optim": opt}, persist_to=a.persist_to,
+                                persist_every=a.persist_every)
+    start = ckpt.restore()
+    print(f"rank {rank}/{world}: start {start}", flush=True)
+    for step in range(start, a.steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(4, 8, generator=g)
+        loss = (model(x) - x[:, :5].sin()).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ckpt.save(step + 1)
+        if step + 1 == a.crash_at and rank == 1 \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    if a.out and rank == 0:
+        torch.save({"model": msd, "optim": osd["state"], "start": start}, a.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
