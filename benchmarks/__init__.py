@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 # Imported in this order by ``python -m benchmarks``; later sections may use earlier rows.
-SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.goodput"]
+SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.replication",
+                   "benchmarks.recovery", "benchmarks.quoted", "benchmarks.overhead",
+                   "benchmarks.goodput"]
 
 Row = Dict[str, object]
 Column = Tuple[str, str, str]  # (row key, header, format: "s", "ms", "gbps", "ratio", "pct", "int", "str", "bytes")

@@ -51,10 +51,28 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     help="goodput input: ckptrun's durable fallback interval")
     ap.add_argument("--state", help="goodput input: state per machine, e.g. 40G "
                     "(default: the largest size measured)")
+    ap.add_argument("--recovery-state", help="recovery job state per rank (default 64M quick, "
+                    "256M full)")
+    ap.add_argument("--replication-size", help="slot pushed by the replication section "
+                    "(default 64M quick, 256M full)")
+    ap.add_argument("--replication-rate", type=float, help="pacing rate, bytes/s (default 1e9)")
+    ap.add_argument("--launch-reps", type=int, help="rounds of the sections that launch jobs "
+                    "(recovery, overhead; default 2 quick, --reps full)")
+    ap.add_argument("--fail-after-s", type=float, help="recovery: train this long before the "
+                    "failure (default 6 quick, 8 full; warm spares must be up)")
+    ap.add_argument("--hang-observe-s", type=float, help="recovery: how long to watch torchrun "
+                    "with a hung rank (default 5 quick, 30 full)")
+    ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (150 quick, 400)")
+    ap.add_argument("--plots", metavar="DIR", nargs="?", const="docs",
+                    help="write PNG plots (needs matplotlib) into DIR (default docs)")
     ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",
                     help="rewrite the generated part of docs/performance.md from this run")
     ap.add_argument("--no-print", action="store_true", help="do not print tables")
     return ap.parse_args(argv)
+
+
+def _size(text: Optional[str]) -> Optional[int]:
+    return parse_size(text) if text else None
 
 
 def default_out() -> str:
@@ -77,7 +95,13 @@ def run(argv: Optional[List[str]] = None) -> dict:
                   options={"iteration_s": args.iteration_s, "failure_rate": args.failure_rate,
                            "replicas": args.replicas, "restart_s": args.restart_s,
                            "persist_interval_s": args.persist_interval_s,
-                           "state_bytes": parse_size(args.state) if args.state else None})
+                           "state_bytes": parse_size(args.state) if args.state else None,
+                           "recovery_state_bytes": _size(args.recovery_state),
+                           "replication_bytes": _size(args.replication_size),
+                           "replication_rate": args.replication_rate,
+                           "launch_reps": args.launch_reps, "fail_after_s": args.fail_after_s,
+                           "hang_observe_s": args.hang_observe_s,
+                           "overhead_steps": args.overhead_steps})
     started = time.monotonic()
     results: dict = {"meta": {
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
@@ -103,6 +127,10 @@ def run(argv: Optional[List[str]] = None) -> dict:
     results["meta"]["wall_s"] = time.monotonic() - started
     if "goodput_inputs" in ctx.options:
         results["meta"]["goodput_inputs"] = ctx.options["goodput_inputs"]
+    if args.plots:  # before the JSON is written, so that it lists them
+        from benchmarks.plots import write_plots
+
+        results["meta"]["plots"] = write_plots(results, args.plots)
     out = args.out or default_out()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
