@@ -1,0 +1,136 @@
+"""Hugging Face ``Trainer``: per-step memory snapshots and exact resume from one callback.
+
+    Trainer(..., callbacks=[ckptrun.adapters.transformers.CkptrunCallback()])
+
+Captured at every ``every_n_steps``-th optimizer step (``on_step_end``): the model (unwrapped:
+the same keys with or without DDP), the optimizer (accelerate's wrapper unwrapped), the LR
+scheduler, ``TrainerState`` (global step, epoch, log history, callback states, ...), the RNG
+states of python/numpy/torch/CUDA, and the data position (batches consumed).
+
+Restored at ``on_train_begin`` from the step ckptrun chose (memory, or storage when
+``persist_to`` is set and nothing is in memory).  The consumed batches are skipped through the
+prepared data loader's public ``skip_batches`` (accelerate's ``DataLoaderShard``, what
+``skip_first_batches`` uses for HF's own resume), whole epochs included; the RNG is set again
+after the resumed epoch's iterator was created, exactly where HF's own resume does it.
+
+Not captured: the Trainer's private logging accumulators (the first loss logged after a
+resume averages only the steps since the resume), and ``state.epoch`` (a float for logs)
+counts within the resumed epoch from the resume point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any, Dict, Optional
+
+from transformers import TrainerCallback
+
+import ckptrun
+from ckptrun import snapshot as S
+
+
+class _DeferredRNG:
+    """The global RNG states: captured at save, applied when :meth:`apply` is called."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[Dict[str, Any]] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return S.capture_rng()
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.pending = sd
+
+    def apply(self) -> None:
+        if self.pending is not None:
+            S.restore_rng(self.pending)
+            self.pending = None
+
+
+class _TrainerStateDict:
+    """``TrainerState`` as plain data (its own JSON form), loaded back field by field into the
+    live object the Trainer holds."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Dict[str, Any]:
+        # The JSON form HF itself writes (trainer_state.json): plain data only.
+        return json.loads(json.dumps(dataclasses.asdict(self.state)))
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        for k, v in sd.items():
+            setattr(self.state, k, v)
+
+
+class CkptrunCallback(TrainerCallback):
+    """Snapshot the training state every ``every_n_steps`` optimizer steps; restore it at
+    train start.  ``persist_to``/``persist_every`` are passed to ``ckptrun.Checkpointer``
+    (used without the ckptrun agent; under the agent, ``ckptrun --persist-to`` decides)."""
+
+    def __init__(self, every_n_steps: int = 1, persist_to: Optional[str] = None,
+                 persist_every: Optional[int] = None) -> None:
+        self.every_n_steps = max(1, int(every_n_steps))
+        self.persist_to = persist_to
+        self.persist_every = persist_every
+        self.ckpt: Optional[ckptrun.Checkpointer] = None
+        self.restored_step = 0
+        self._rng = _DeferredRNG()
+        self._loader: Any = None
+        self._skip = 0  # batches still to skip (over epochs) after a restore
+        self._epoch = -1
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, lr_scheduler: Any = None,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        tree: Dict[str, Any] = {"model": model, "optim": opt, "trainer_state": _TrainerStateDict(state),
+                                "rng": self._rng}
+        if lr_scheduler is not None:
+            tree["sched"] = lr_scheduler
+        self.ckpt = ckptrun.Checkpointer(tree, capture_rng=False, persist_to=self.persist_to,
+                                         persist_every=self.persist_every)
+        self._loader = train_dataloader
+        self._epoch = -1
+        self.restored_step = self.ckpt.restore()
+        if self.restored_step:
+            self._skip = int(state.global_step) * int(args.gradient_accumulation_steps)
+            if not hasattr(train_dataloader, "skip_batches"):
+                print("ckptrun: the train dataloader has no skip_batches; the data position is "
+                      "not restored", file=sys.stderr)
+                self._skip = 0
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._epoch += 1
+        if self._loader is None or not hasattr(self._loader, "skip_batches"):
+            self._rng.apply()
+            return
+        per_epoch = len(self._loader)
+        n = min(self._skip, per_epoch)
+        self._loader.skip_batches = n
+        self._skip -= n
+        if n == 0:  # resuming at an epoch boundary: the RNG goes before the iterator
+            self._rng.apply()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._rng.apply()  # after the resumed epoch's iterator fetched its first batch
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ckpt is not None and state.global_step % self.every_n_steps == 0:
+            self.ckpt.save(int(state.global_step))
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._loader is not None and getattr(self._loader, "skip_batches", 0) >= len(self._loader):
+            # An epoch consumed before the snapshot yields no batch; HF then stops training
+            # ("not a single sample"): this one was skipped on purpose, go on.
+            if state.max_steps <= 0 or state.global_step < state.max_steps:
+                control.should_training_stop = False
+        if self._loader is not None and hasattr(self._loader, "skip_batches"):
+            self._loader.skip_batches = 0
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
