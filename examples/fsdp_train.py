@@ -1,4 +1,4 @@
-"""FSDP2 job for the adapter tests: fully_shard MLP, AdamW, dropout, gloo on CPU.
+"""Example (and adapter test job) -- FSDP2 job for the adapter tests: fully_shard MLP, AdamW, dropout, gloo on CPU.
 
 ``--steps N`` trains to step N (resuming from whatever ``Checkpointer.restore()`` finds);
 ``--crash-at K`` SIGKILLs rank 1 after step K in the first attempt; ``--out F`` writes every

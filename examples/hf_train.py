@@ -1,4 +1,4 @@
-"""HF Trainer job for the adapter tests: a small MLP (no download), synthetic data, dropout,
+"""Example (and adapter test job) -- HF Trainer job for the adapter tests: a small MLP (no download), synthetic data, dropout,
 AdamW + linear schedule, 2 epochs, CPU/gloo.  ``--crash-at K`` SIGKILLs rank 1 at step K in
 the first attempt; ``--out F`` writes the final weights (rank 0)."""
 
@@ -10,9 +10,8 @@ import signal
 
 import torch
 import torch.nn as nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
-
 from ckptrun.adapters.transformers import CkptrunCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
 class Tiny(nn.Module):
@@ -57,7 +56,8 @@ def main() -> None:
     p.add_argument("--no-ckpt", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
-    args = TrainingArguments(output_dir=a.run_dir, use_cpu=True, ddp_backend="gloo",
+    ddp = "gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None  # accelerate: 1 process
+    args = TrainingArguments(output_dir=a.run_dir, use_cpu=True, ddp_backend=ddp,
                              per_device_train_batch_size=4, num_train_epochs=a.epochs,
                              learning_rate=1e-2, warmup_steps=2, save_strategy="no",
                              logging_steps=5, report_to=[], seed=1, dataloader_num_workers=0,

@@ -1,4 +1,4 @@
-"""Lightning job for the adapter tests: a small MLP LightningModule, synthetic data with a
+"""Example (and adapter test job) -- Lightning job for the adapter tests: a small MLP LightningModule, synthetic data with a
 shuffling sampler, dropout, AdamW + StepLR, DDP on CPU (gloo), 2 epochs.  ``--crash-at K``
 SIGKILLs rank 1 after optimizer step K in the first attempt; ``--out F``: final weights."""
 
@@ -11,7 +11,6 @@ import signal
 import lightning as L
 import torch
 import torch.nn as nn
-
 from ckptrun.adapters.lightning import CkptrunCallback
 
 

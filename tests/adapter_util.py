@@ -1,0 +1,46 @@
+"""Helpers of the adapter tests: run a job under ckptrun or torchrun, compare weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "examples")  # the adapter examples double as test jobs
+
+
+def run(cmd: List[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def ckptrun_job(run_dir: str, script: str, *args: str, nproc: int = 2) -> List[dict]:
+    """Run ``script`` under ``ckptrun --standalone``; returns the run's events."""
+    run([sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", str(nproc),
+         "--run-dir", run_dir, os.path.join(SCRIPTS, script), *args])
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def torchrun_job(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc), os.path.join(SCRIPTS, script), *args])
+
+
+def of(events: List[dict], name: str) -> List[dict]:
+    return [e for e in events if e["event"] == name]
+
+
+def assert_bitwise(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_bitwise(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]), f"{k} differs"
