@@ -224,3 +224,10 @@ class Persister:
 def _one_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def agent_extension(agent):
+    """Agent hook (see ``agent.EXTENSION_MODULES``): the durable tier, when configured."""
+    from ckptrun.durable_tier import agent_extension as durable
+
+    return durable(agent)
