@@ -140,6 +140,8 @@ def plan_chunks(snapshots: Dict[int, Tuple[Dict[str, Any], List[torch.Tensor]]],
             entry: Dict[str, Any] = {"dtype": str(t.dtype).replace("torch.", ""),
                                      "shape": list(t.shape), "nbytes": t.numel() * t.element_size(),
                                      "checksum": checksum(t)}
+            if d["path"] != meta_key:
+                entry["path"] = d["path"]
             if is_sharded(d):
                 off = tuple(int(o) for o in d["global_offset"])
                 entry.update(key=dcp_key(d["path"]), chunk_offset=list(off),

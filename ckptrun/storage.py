@@ -117,11 +117,10 @@ def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int =
     ``<url>/step-<step>/`` (``standalone``: into ``url`` itself, for exports).  Returns the
     JSON-able part for :func:`finalize`; the step stays invisible until finalized.
 
-    A tensor byte-identical to the same path of a lower rank written here (replicated DDP
-    state) is stored once; DTensor shards go under one global key at their offsets."""
+    Byte-identical tensors of ranks written here are stored once (:func:`shards.plan_chunks`)."""
     t0 = time.monotonic()
     fs, sdir = _step_dir(url, None if standalone else step)
-    try:
+    try:  # DTensor shards go under one global key at their offsets
         chunks, plan = shards.plan_chunks(snapshots, checksum, META_KEY)
     except ValueError as e:
         raise StorageError(str(e)) from e
@@ -156,9 +155,6 @@ def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int =
             ranks[rank_s]["meta"] = entry
         else:
             ranks[rank_s]["tensors"].append(entry)
-    for rank_s, (meta, _) in ((str(r), v) for r, v in snapshots.items()):
-        for e, d in zip(ranks[rank_s]["tensors"], meta.get("tensors", [])):
-            e["path"] = d["path"]
     return {"node": int(node), "step": int(step), "ranks": ranks, "bytes": total,
             "seconds": time.monotonic() - t0}
 
@@ -248,10 +244,8 @@ def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
 def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
               world_size: Optional[int] = None) -> Snapshot:
     """One rank's ``(meta, tensors)``, checksums verified (``step=None``: ``url`` is the step dir).
-
-    ``world_size`` other than the saved one reshards: DTensor shards are cut for ``rank`` of
-    ``world_size`` from every stored chunk; the rest of the state (RNG, plain data, unsharded
-    tensors) comes from saved rank ``rank % saved world size``."""
+    Another ``world_size`` than the saved one reshards DTensor shards (:mod:`ckptrun.shards`);
+    the rest (RNG, plain data) comes from saved rank ``rank % saved world size``."""
     index = read_index(url, step)
     if index is None:
         raise StorageError(f"step {step} is not a complete checkpoint in {url}")
