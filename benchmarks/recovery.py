@@ -17,15 +17,19 @@ Cases, run round-robin (one of each per round):
 * torchrun ``--max-restarts 1`` + DCP ``save`` every 10 steps;
 * ckptrun with ``--hang-timeout 2`` and a rank stopped with SIGSTOP.
 
-Failures come after ``--fail-after-s`` of training (so ckptrun's warm spares, started a few
-seconds after the workers, are up -- as they are in any job that ran for more than seconds)
-and at the middle of the baselines' 10-step interval (``K = 5 mod 10``).  torchrun runs
+The harness chooses the moment of the failure (``FailTrigger``): after ``--fail-after-s``
+(default 2 s) of training and, under ckptrun, once its warm spares are up -- as they are in
+any job that ran for more than a minute (niced, they import torch while training
+saturates the CPU: 10-25 s here; ``CKPTRUN_SPARE_DELAY=0`` starts them with the workers
+rather than 3 s later, to shorten that wait).  The failure then lands at
+the middle of the baselines' 10-step interval (``K = 5 mod 10``).  torchrun runs
 with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it a restart intermittently fails in
 torch 2.13 (DESIGN §5), which would make the baseline look worse than it is.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -74,15 +78,66 @@ CASES: Dict[str, dict] = {
 }
 
 
-def make_launch(case: dict, mb: int, work: str, fail_after_s: float) -> Launch:
+def make_launch(case: dict, mb: int, work: str) -> Launch:
     hang = case["failure"].startswith("hang")
     job = ["--ckpt", case["ckpt"], "--state-mb", str(mb), "--save-every", str(SAVE_EVERY),
-           "--ckpt-dir", os.path.join(work, "ckpt"), "--fail-after-s", str(fail_after_s),
+           "--ckpt-dir", os.path.join(work, "ckpt"), "--fail-file", os.path.join(work, "fail"),
            "--hang-at" if hang else "--kill-at", str(KILL_AT)]
     if case["launcher"] == "torchrun":
         return Launch("torchrun", job, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     extra = ["--hang-timeout", str(HANG_TIMEOUT_S)] if hang else []
-    return Launch("ckptrun", job, launcher_args=extra)
+    # Spares start with the workers instead of 3 s later: the harness waits for them anyway
+    # (FailTrigger), and this makes that wait shorter; it changes nothing after they are up.
+    return Launch("ckptrun", job, launcher_args=extra, env={"CKPTRUN_SPARE_DELAY": "0"})
+
+
+def spares_warm(run_dir: str, nproc: int) -> bool:
+    """Whether ckptrun's warm spares are up: listed in ``status.json`` and each blocked
+    reading its "go" pipe (what a spare does once torch is imported and warmed up)."""
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            pids = json.load(f).get("spare_pids") or []
+        if len(pids) < nproc:
+            return False
+        for pid in pids:
+            with open(f"/proc/{int(pid)}/wchan") as f:
+                if "pipe" not in f.read():
+                    return False
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+class FailTrigger:
+    """``stop_when`` callback of a launch that never stops it: it creates the job's
+    ``--fail-file`` once the job trained ``min_train_s`` and, under ckptrun, its warm spares
+    are up (at most ``max_wait_s`` later: then the sample is marked)."""
+
+    def __init__(self, work: str, launcher: str, min_train_s: float, max_wait_s: float) -> None:
+        self.work, self.launcher = work, launcher
+        self.min_train_s, self.max_wait_s = min_train_s, max_wait_s
+        self.training_since: Optional[float] = None
+        self.fired_at: Optional[float] = None
+        self.warm: Optional[bool] = None
+
+    def __call__(self, log_dir: str) -> bool:
+        if self.fired_at is not None:
+            return False
+        now = time.monotonic()
+        if self.training_since is None:
+            if os.path.exists(os.path.join(log_dir, "rank0-attempt0.jsonl")):
+                self.training_since = now
+            return False
+        waited = now - self.training_since
+        if waited < self.min_train_s:
+            return False
+        if self.launcher == "ckptrun":
+            self.warm = spares_warm(os.path.join(self.work, "run"), 2)
+            if not self.warm and waited < self.max_wait_s:
+                return False
+        open(os.path.join(self.work, "fail"), "w").close()
+        self.fired_at = now
+        return False
 
 
 def _step_time(out: Outcome) -> Optional[float]:
@@ -153,6 +208,9 @@ def _summary(name: str, case: dict, mb: int, samples: List[Dict[str, object]]) -
         tiers = sorted({str(s["tier"]) for s in good if "tier" in s})
         if tiers:
             notes.append("restored from " + "/".join(tiers))
+        cold = sum(1 for s in good if s.get("spares_warm") is False)
+        if cold:
+            notes.append(f"{cold} run(s) failed before the warm spares were up")
         if any("shm_left" in s for s in good):
             notes.append("ckptrun left /dev/shm files behind (removed by the harness)")
     row["note"] = "; ".join(notes)
@@ -176,10 +234,12 @@ def torchrun_hang_row(mb: int, root: str, observe_s: float) -> Row:
     """One torchrun run with a SIGSTOPped rank, watched ``observe_s`` for any restart."""
     work = tempfile.mkdtemp(prefix="hang-torchrun-", dir=root)
     case = dict(launcher="torchrun", ckpt="torchsave", failure="hang (SIGSTOP rank 1)")
-    spec = make_launch(case, mb, work, fail_after_s=1.0)
+    spec = make_launch(case, mb, work)
     seen: Dict[str, float] = {}
+    trigger = FailTrigger(work, "torchrun", 1.0, 0.0)
 
     def stop(log_dir: str) -> bool:  # observe_s after the hang, or at a restart
+        trigger(log_dir)
         if os.path.exists(os.path.join(log_dir, "rank0-attempt1.jsonl")):
             return True
         if "hang" not in seen and os.path.exists(os.path.join(log_dir, "rank1-attempt0.jsonl")):
@@ -229,7 +289,8 @@ def machine_loss_row(mb: int) -> Row:
               "step time; ratio = time lost / ckptrun's (SIGKILL)")
 def recovery(ctx: Context) -> List[Row]:
     mb = state_mb(ctx)
-    fail_after = float(ctx.options.get("fail_after_s") or (6.0 if ctx.quick else 8.0))
+    min_train = float(ctx.options.get("fail_after_s") or 2.0)
+    max_wait = 60.0  # for warm spares; a sample that had to give up says so
     reps = int(ctx.options.get("launch_reps") or (2 if ctx.quick else ctx.reps))
     root = tempfile.mkdtemp(prefix="ckptrun-bench-recovery-", dir=ctx.tmpdir)
     samples: Dict[str, List[Dict[str, object]]] = {name: [] for name in CASES}
@@ -240,8 +301,15 @@ def recovery(ctx: Context) -> List[Row]:
                 break  # fewer rounds rather than blow the budget; ``reps`` says how many
             for name, case in CASES.items():
                 work = tempfile.mkdtemp(prefix=f"r{rnd}-", dir=root)
-                out = launch(make_launch(case, mb, work, fail_after), work, timeout_s=120.0)
-                samples[name].append(measure(out, case["failure"].startswith("hang")))
+                trigger = FailTrigger(work, case["launcher"], min_train, max_wait)
+                out = launch(make_launch(case, mb, work), work, timeout_s=max_wait + 90.0,
+                             stop_when=trigger)
+                sample = measure(out, case["failure"].startswith("hang"))
+                if trigger.fired_at is not None and trigger.training_since is not None:
+                    sample["trained_s"] = trigger.fired_at - trigger.training_since
+                if trigger.warm is not None:
+                    sample["spares_warm"] = trigger.warm
+                samples[name].append(sample)
                 shutil.rmtree(work, ignore_errors=True)
         rows = [_summary(name, case, mb, samples[name]) for name, case in CASES.items()]
         for row, case in zip(rows, CASES.values()):
@@ -250,7 +318,7 @@ def recovery(ctx: Context) -> List[Row]:
         for row in rows:
             if base and row.get("lost_s") and not str(row["failure"]).startswith("hang"):
                 row["vs_ckptrun"] = float(row["lost_s"]) / float(base)
-        observe = float(ctx.options.get("hang_observe_s") or (5.0 if ctx.quick else 30.0))
+        observe = float(ctx.options.get("hang_observe_s") or (3.0 if ctx.quick else 30.0))
         rows.insert(3, torchrun_hang_row(mb, root, observe))
         rows.append(machine_loss_row(mb))
         return rows

@@ -133,6 +133,7 @@ def key_findings(results: Dict) -> List[str]:
         if "vs_copy" in r and r.get("method") != "plain copy_":
             out.append(f"{r['method']} at {human_bytes(float(r['bytes']))} blocks "
                        f"{float(r['median_s']) * 1e3:.1f} ms = {float(r['vs_copy']):.2f}x a plain copy_.")
+    out += recovery_findings(results)
     for r in results["sections"].get("goodput", {}).get("rows", []):
         if str(r.get("inputs", "")).startswith("measured") and r.get("machines") == 1000:
             out.append(f"Projected at 1,000 machines ({r['inputs']}): ckptrun "
@@ -141,6 +142,41 @@ def key_findings(results: Dict) -> List[str]:
         elif str(r.get("inputs", "")).startswith("GEMINI paper"):
             out.append(f"GEMINI paper reference (1,000 instances, 1.5%/day): model gives "
                        f"{float(r['ckptrun_ratio']) * 100:.1f}% effective training time (paper: about 91%).")
+    return out
+
+
+def recovery_findings(results: Dict) -> List[str]:
+    """Headline sentences of the recovery, replication and overhead sections."""
+    out: List[str] = []
+    rec = results["sections"].get("recovery", {}).get("rows", [])
+    base = next((r for r in rec if r.get("case") == "ckptrun" and "median_s" in r), None)
+    for r in rec:
+        if "median_s" not in r:
+            if r.get("note"):
+                out.append(f"{r['case']}, {r['failure']}: {r['note']}.")
+            continue
+        line = (f"{r['case']}, {r['failure']}: first step {float(r['median_s']):.2f} s after the "
+                f"failure (min {float(r['min_s']):.2f}, max {float(r['max_s']):.2f}, "
+                f"{r['reps']} runs), {float(r['steps_lost']):g} steps lost (median)")
+        if r.get("beyond_timeout_s") is not None:
+            line += (f"; restarted {float(r['beyond_timeout_s']):.2f} s after the "
+                     f"{float(r['restart_s']) - float(r['beyond_timeout_s']):g} s timeout")
+        if r is not base and r.get("vs_ckptrun") and base:
+            line += f"; time lost {float(r['vs_ckptrun']):.1f}x ckptrun's"
+        if r.get("met"):
+            line += f"; DESIGN target {r['target']}: {r['met']}"
+        out.append(line + ".")
+    rep = {r.get("case"): r for r in results["sections"].get("replication", {}).get("rows", [])}
+    if "push" in rep and "raw loopback TCP" in rep:
+        p, t = rep["push"], rep["raw loopback TCP"]
+        out.append(f"Replication push of {human_bytes(float(p['bytes']))}: "
+                   f"{float(p['gb_per_s']):.2f} GB/s = {float(p['vs_tcp']):.2f}x raw loopback TCP "
+                   f"({float(t['gb_per_s']):.2f} GB/s) in the same run (goal 0.70: {p.get('met')}).")
+    for r in results["sections"].get("overhead", {}).get("rows", []):
+        if r.get("slowdown") is not None:
+            out.append(f"Overhead, {r['case']}: {float(r['steps_per_s']):.1f} steps/s, "
+                       f"{float(r['slowdown']) * 100:.1f}% slower than without checkpointing "
+                       f"(goal ≤ 10%: {r.get('met')}).")
     return out
 
 

@@ -18,13 +18,15 @@ def test_tiny_benchmark_run(tmp_path):
     doc.write_text(f"# perf\n\nintro\n\n{BEGIN}\nSTALE-GENERATED-TEXT\n{END}\n\noutro\n")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--sizes", "8M", "--reps", "1", "--out", str(out),
-         "--tmpdir", str(tmp_path), "--no-print", "--update-doc", str(doc)],
+         "--tmpdir", str(tmp_path), "--no-print", "--update-doc", str(doc),
+         # the sections that launch jobs take minutes: tests/test_benchmarks_recovery.py
+         "--only", "limits,stall,replication,quoted,goodput", "--replication-size", "4M"],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["meta"]["sizes"] == [8 << 20]
     sections = res["sections"]
-    assert {"limits", "stall", "goodput"} <= set(sections)
+    assert {"limits", "stall", "goodput", "replication", "quoted"} <= set(sections)
     for name, sec in sections.items():
         assert "error" not in sec, (name, sec.get("error"))
         assert sec["rows"], name
@@ -52,6 +54,11 @@ def test_tiny_benchmark_run(tmp_path):
         assert 0 <= r["ckptrun_ratio"] <= 1 and 0 <= r["storage_ratio"] <= 1
         assert r["failures_per_day"] > 0
     assert res["meta"]["goodput_inputs"]["state_bytes"] == 8 << 20
+
+    rep = {r["case"]: r for r in sections["replication"]["rows"]}
+    assert rep["raw loopback TCP"]["vs_tcp"] == 1.0 and rep["push"]["gb_per_s"] > 0
+    assert rep["push"]["bytes"] == 4 << 20 and 0 < rep["push paced (1 GB/s)"]["vs_rate"] <= 1.5
+    assert all("not measured" in r["source"] for r in sections["quoted"]["rows"])
 
     text = doc.read_text()
     assert text.startswith("# perf\n\nintro") and text.rstrip().endswith("outro")

@@ -16,7 +16,8 @@ Every rank logs JSON lines to ``<log-dir>/rank<R>-attempt<A>.jsonl`` with wall-c
 (``benchmarks/recovery.py``) computes recovery times and steps lost from these files.
 
 Failures are injected only in the first attempt, on rank ``--fail-rank``, *inside* step
-``K + 1`` (after its forward pass): step ``K`` is the last one completed.
+``K + 1`` (after its forward pass): step ``K`` is the last one completed.  ``--fail-file``
+lets the harness choose the moment (once the launcher is in its steady state).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def due(args: argparse.Namespace, at: int, step: int, running_s: float) -> bool:
     position in the ``--save-every`` cycle (so the baselines' loss is comparable)."""
     if at < 0 or step < at or running_s < args.fail_after_s:
         return False
+    if args.fail_file and not os.path.exists(args.fail_file):
+        return False  # the harness says when the launcher is in steady state
     return step == at or (step - at) % args.save_every == 0
 
 
@@ -160,6 +163,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--fail-after-s", type=float, default=0.0,
                    help="train at least this long before failing (a launcher's warm-up done)")
+    p.add_argument("--fail-file", default="", help="fail only once this file exists")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--log-dir", required=True)
     p.add_argument("--hidden", type=int, default=256)
