@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -84,13 +85,9 @@ def load_extensions(agent) -> list:
 
     exts = []
     for name in EXTENSION_MODULES:
-        try:
+        with contextlib.suppress(ImportError):
             factory = getattr(importlib.import_module(name), "agent_extension", None)
-        except ImportError:
-            continue
-        ext = factory(agent) if factory is not None else None
-        if ext is not None:
-            exts.append(ext)
+            exts += [e for e in [factory(agent) if factory else None] if e is not None]
     return exts
 
 
@@ -137,10 +134,8 @@ class Agent:
         self.state = "starting"
         self.epoch = Epoch(0, 0)
         self.restore: Dict[str, object] = {"step": 0}
-        self.restored_emitted = False
         self._last_status = 0.0
 
-    # -- top level -----------------------------------------------------------------------
     def run(self) -> int:
         code = 1
         self.reaper = Reaper(self.token)
@@ -192,7 +187,6 @@ class Agent:
                 self.events.emit("restart", attempt=self.epoch.attempt,
                                  restarts=self.epoch.restarts)
 
-    # -- one attempt ---------------------------------------------------------------------
     def _ranks(self) -> List[int]:
         base = self.info.group_rank * self.cfg.nproc_per_node
         return [base + lr for lr in range(self.cfg.nproc_per_node)]
@@ -208,8 +202,7 @@ class Agent:
                                       self.coord.rollback_step(attempt), self.extensions)
         self.restored_emitted = False
         port = self.coord.master_port(attempt, info)
-        logs = os.path.join(cfg.log_dir or os.path.join(self.run_dir, "logs"),
-                            f"attempt_{attempt}")
+        logs = os.path.join(self._log_root(), f"attempt_{attempt}")
         os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
         self.hang.reset()
         self.workers = []
@@ -236,6 +229,14 @@ class Agent:
         self._call("attempt_started", attempt)
         self.state = "running"
         self._write_status(force=True)
+
+    def _log_root(self) -> str:
+        """torchrun's ``<log-dir>/<run-id>_<random>/`` with --log-dir, else ``<run-dir>/logs``."""
+        if not hasattr(self, "_logs"):
+            os.makedirs(self.cfg.log_dir or self.run_dir, mode=0o700, exist_ok=True)
+            self._logs = (tempfile.mkdtemp(prefix=f"{self.info.run_id}_", dir=self.cfg.log_dir)
+                          if self.cfg.log_dir else os.path.join(self.run_dir, "logs"))
+        return self._logs
 
     def _stop_group(self) -> None:
         stop_workers(self.workers, self.cfg.shutdown_timeout)
@@ -323,7 +324,6 @@ class Agent:
         for path in dump_stacks(targets):
             self.events.emit("stacks_dumped", path=path)
 
-    # -- status and shutdown -------------------------------------------------------------
     def _write_status(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_status < 0.5:

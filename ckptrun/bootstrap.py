@@ -71,7 +71,7 @@ def _apply_env(env: dict, nice: int) -> None:
 def _register_stack_dump(path: str):
     """SIGUSR1 -> all threads' stacks into ``path`` (works for a SIGSTOPped worker on SIGCONT)."""
     try:
-        f = open(path, "w")
+        f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
     except OSError:
         return None
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
