@@ -58,7 +58,10 @@ class DurableTier:
         for url, step in self._candidates(attempt, max_step):
             t0 = time.monotonic()
             try:
-                snaps: Dict[int, tuple] = {r: storage.read_rank(url, step, r) for r in ranks}
+                # another world size than the saved one reshards sharded (DTensor) state
+                snaps: Dict[int, tuple] = {
+                    r: storage.read_rank(url, step, r, world_size=self.world_size)
+                    for r in ranks}
             except (storage.StorageError, OSError, KeyError, ValueError) as e:
                 # a corrupt or partial durable copy is skipped, never loaded
                 log.warning("durable step %s at %s unusable: %s", step, url, e)
