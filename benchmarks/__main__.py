@@ -57,12 +57,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     "(default 64M quick, 256M full)")
     ap.add_argument("--replication-rate", type=float, help="pacing rate, bytes/s (default 1e9)")
     ap.add_argument("--launch-reps", type=int, help="rounds of the sections that launch jobs "
-                    "(recovery, overhead; default 2 quick, --reps full)")
+                    "(recovery, overhead; default 1 quick, --reps full)")
     ap.add_argument("--fail-after-s", type=float, help="recovery: train at least this long "
                     "before the failure (default 2; ckptrun's warm spares must be up too)")
     ap.add_argument("--hang-observe-s", type=float, help="recovery: how long to watch torchrun "
                     "with a hung rank (default 3 quick, 30 full)")
-    ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (80 quick, 400)")
+    ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
     ap.add_argument("--plots", metavar="DIR", nargs="?", const="docs",
                     help="write PNG plots (needs matplotlib) into DIR (default docs)")
     ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",

@@ -291,7 +291,7 @@ def recovery(ctx: Context) -> List[Row]:
     mb = state_mb(ctx)
     min_train = float(ctx.options.get("fail_after_s") or 2.0)
     max_wait = 60.0  # for warm spares; a sample that had to give up says so
-    reps = int(ctx.options.get("launch_reps") or (2 if ctx.quick else ctx.reps))
+    reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
     root = tempfile.mkdtemp(prefix="ckptrun-bench-recovery-", dir=ctx.tmpdir)
     samples: Dict[str, List[Dict[str, object]]] = {name: [] for name in CASES}
     started = time.monotonic()

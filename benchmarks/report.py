@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -187,7 +188,14 @@ def update_doc(results: Dict, path: str) -> None:
     if BEGIN not in text or END not in text:
         raise ValueError(f"{path} has no generated-section markers")
     findings = "\n".join(f"- {line}" for line in key_findings(results))
-    body = f"{BEGIN}\n\n### Headline ratios\n\n{findings}\n\n### Tables\n\n{markdown_sections(results)}\n\n{END}"
+    body = f"{BEGIN}\n\n### Headline ratios\n\n{findings}\n\n### Tables\n\n{markdown_sections(results)}"
+    plots = results["meta"].get("plots") or []
+    if plots:
+        here = os.path.dirname(os.path.abspath(path))
+        links = "\n\n".join(f"![{os.path.basename(p)}]({os.path.relpath(os.path.abspath(p), here)})"
+                             for p in plots)
+        body += f"\n\n### Plots\n\n{links}"
+    body += f"\n\n{END}"
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(path, "w") as f:

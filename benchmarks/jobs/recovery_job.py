@@ -166,6 +166,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--fail-file", default="", help="fail only once this file exists")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--log-dir", required=True)
+    p.add_argument("--alternate", type=int, default=0,
+                   help="ckptrun: blocks of this many steps without, then with save()")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
@@ -219,7 +221,8 @@ def main(argv: Optional[list] = None) -> None:
         t_save = time.perf_counter()
         touch_blob(blob, step)
         n = step + 1
-        if ckpt is not None:
+        saving = args.alternate <= 0 or (step // args.alternate) % 2 == 1
+        if ckpt is not None and saving:
             ckpt.save(n)
         elif args.ckpt == "torchsave" and n % args.save_every == 0:
             torchsave_save(args.ckpt_dir, rank, n, state)
@@ -227,7 +230,8 @@ def main(argv: Optional[list] = None) -> None:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(dcp_state(ddp, optim, blob), checkpoint_id=f"{args.ckpt_dir}/step-{n}")
-        log.write("step", step=n, opt_s=t_save - t_opt, save_s=time.perf_counter() - t_save)
+        log.write("step", step=n, opt_s=t_save - t_opt, save_s=time.perf_counter() - t_save,
+                  saving=saving)
         step = n
     if ckpt is not None:
         ckpt.close()
