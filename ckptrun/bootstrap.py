@@ -62,10 +62,17 @@ def _apply_env(env: dict, nice: int) -> None:
     if threads and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
     if os.getpriority(os.PRIO_PROCESS, 0) != nice:
-        try:  # a niced spare becomes a full-priority worker (needs privilege to lower)
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        # a niced spare becomes a full-priority worker (lowering needs privilege).  Linux
+        # nice values are per thread: the threads torch started during warm-up count too.
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
         except OSError:
-            pass
+            tids = [0]
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:
+                pass
 
 
 def _register_stack_dump(path: str):
