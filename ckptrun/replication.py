@@ -219,6 +219,46 @@ def receive_slot(sock: socket.socket, path: str, info: dict) -> bool:
             pass  # a failed recv's traceback still holds a slice; unmapped when collected
 
 
+def copy_slot_file(src_path: str, dst_path: str) -> Optional[int]:
+    """Copy a committed slot file, verifying the copy against the writer's checksum.
+
+    Returns the step, or None if the source was not committed, changed during the copy, or
+    does not match its checksum (a corrupted copy is never committed).
+    """
+    src = P.open_shm_file(src_path, write=False)
+    regions: list = []
+    try:
+        h, regions = slot_regions(src)
+        if h.state != P.SlotState.COMMITTED:
+            return None
+        dst = prepare_slot_file(dst_path, h.meta_len, h.data_len)
+        try:
+            dh = P.SlotHeader.unpack_from(dst)
+            digest = P.new_checksum()
+            for region, off in zip(regions, (P.SLOT_HEADER_SIZE, dh.data_offset)):
+                for pos in range(0, len(region), CHUNK):  # hash while the chunk is hot
+                    piece = region[pos : pos + CHUNK]
+                    dst[off + pos : off + pos + len(piece)] = piece
+                    digest.update(dst[off + pos : off + pos + len(piece)])
+            now = P.SlotHeader.unpack_from(src)
+            if (now.state, now.step, now.seq) != (h.state, h.step, h.seq) \
+                    or digest.intdigest() != h.checksum:
+                return None
+            dh.checksum, dh.commit_time, dh.rank, dh.world_size = (
+                h.checksum, time.time(), h.rank, h.world_size)
+            dh.pack_into(dst)
+            P.set_slot_state(dst, P.SlotState.COMMITTED, h.step)
+            return h.step
+        finally:
+            dst.close()
+    finally:
+        del regions
+        try:
+            src.close()
+        except BufferError:
+            pass
+
+
 # --------------------------------------------------------------------------- peer copies
 
 class PeerStore:
@@ -240,6 +280,19 @@ class PeerStore:
             if h and h.state == P.SlotState.COMMITTED and (best is None or h.step > best[0]):
                 best = (h.step, self.path(rank, k))
         return best
+
+    def copies(self, rank: int) -> Dict[int, str]:
+        """{step: path} of every committed copy of ``rank`` held here (at most two)."""
+        out: Dict[int, str] = {}
+        for k in (0, 1):
+            h = _read_header(self.path(rank, k))
+            if h and h.state == P.SlotState.COMMITTED:
+                out[h.step] = self.path(rank, k)
+        return out
+
+    def inventory(self) -> Dict[int, list]:
+        """{rank: [steps]} of every committed copy held here."""
+        return {r: sorted(self.copies(r)) for r in self.holdings()}
 
     def holdings(self) -> Dict[int, int]:
         """{rank: newest committed step} of every rank this agent holds a copy of."""

@@ -12,7 +12,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ckptrun import protocol as P
 from ckptrun.replication import (
@@ -35,8 +35,10 @@ class ReplicaServer:
 
     def __init__(self, host: str, secret: bytes, store: PeerStore,
                  on_refused: Optional[Callable[[str], None]] = None,
-                 on_received: Optional[Callable[[int, int, int, float], None]] = None):
+                 on_received: Optional[Callable[[int, int, int, float], None]] = None,
+                 local_copy: Optional[Callable[[int, int], Optional[str]]] = None):
         self.store = store
+        self._local_copy = local_copy  # (rank, step) -> path of this node's own slot, if any
         self._secret = secret
         self._on_refused = on_refused
         self._on_received = on_received
@@ -87,8 +89,8 @@ class ReplicaServer:
             elif op == "fetch":
                 self._fetch(conn, req)
             elif op == "list":
-                send_frame(conn, {"ok": True, "ranks": {str(r): s for r, s in
-                                                        self.store.holdings().items()}})
+                inv = self.store.inventory()
+                send_frame(conn, {"ok": True, "inventory": {str(r): s for r, s in inv.items()}})
             else:
                 send_frame(conn, {"ok": False, "error": f"unknown op {op!r}"})
         except (ConnectionError, OSError, ValueError, KeyError) as e:
@@ -115,12 +117,18 @@ class ReplicaServer:
             self.store.done(rank)
 
     def _fetch(self, conn: socket.socket, req: dict) -> None:
-        rank = int(req["rank"])
-        got = self.store.latest(rank)
-        if got is None or (req.get("step") is not None and got[0] != int(req["step"])):
+        """Serve a held copy of ``rank`` (newest, or exactly ``step``): a peer copy, else this
+        node's own slot of that rank (a rank that moved to another machine)."""
+        rank, step = int(req["rank"]), req.get("step")
+        copies = self.store.copies(rank)
+        path = copies.get(int(step)) if step is not None else (
+            copies[max(copies)] if copies else None)
+        if path is None and step is not None and self._local_copy is not None:
+            path = self._local_copy(rank, int(step))
+        if path is None:
             send_frame(conn, {"ok": False, "error": "not held"})
             return
-        _stream_slot_file(conn, got[1], rank)
+        _stream_slot_file(conn, path, rank)
 
 
 def _stream_slot_file(conn: socket.socket, path: str, rank: int,
@@ -185,8 +193,21 @@ def fetch(addr: Tuple[str, int], secret: bytes, node: str, rank: int, dst_path: 
 
 
 def holdings(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, int]:
-    """{rank: step} of the copies the agent at ``addr`` holds."""
+    """{rank: newest step} of the copies the agent at ``addr`` holds."""
+    return {r: max(steps) for r, steps in inventory(addr, secret, node).items()}
+
+
+def inventory(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, List[int]]:
+    """{rank: [steps]} of every committed copy the agent at ``addr`` holds."""
     with connect(addr, secret, node) as sock:
         send_frame(sock, {"op": "list"})
         reply = recv_frame(sock)
-    return {int(r): int(s) for r, s in reply.get("ranks", {}).items()}
+    return {int(r): [int(s) for s in steps] for r, steps in reply.get("inventory", {}).items()}
+
+
+def agent_extension(agent):
+    """Agent hook (see ``agent.EXTENSION_MODULES``): peer-memory replication, when the job
+    has several machines and ``--replicas`` > 1."""
+    from ckptrun.replica_tier import agent_extension as replica
+
+    return replica(agent)

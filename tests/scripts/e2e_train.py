@@ -2,7 +2,9 @@
 
 ``--corrupt-at N``: after step N (first attempt, the crash rank) flip one byte in the data of
 every committed slot of this rank, then SIGKILL -- no memory copy of this rank verifies, so the
-restore must come from storage.  ``--kill-agent-at N``: SIGKILL the agent (the parent process)
+restore must come from storage (or a peer).  ``--wipe-at N``: the same for every snapshot file
+of this machine's agent (its workers' slots and the copies it keeps): the machine's memory is
+gone, only other machines' copies are left.  ``--kill-agent-at N``: SIGKILL the agent (the parent process)
 after step N.
 """
 
@@ -21,9 +23,14 @@ import train  # noqa: E402  (examples/train.py)
 from ckptrun.protocol import ENV_SLOT_PREFIX, SlotHeader, SlotState, open_shm_file  # noqa: E402
 
 
-def corrupt_own_slots() -> int:
+def corrupt_own_slots(machine: bool = False) -> int:
     n = 0
-    for path in glob.glob(os.environ[ENV_SLOT_PREFIX] + "*"):
+    prefix = os.environ[ENV_SLOT_PREFIX]
+    if machine:  # /dev/shm/ckptrun-<token>-r<rank>-s -> every file of the agent's token
+        prefix = prefix[: prefix.rindex("-r")] + "-"
+    for path in glob.glob(prefix + "*"):
+        if path.endswith("-control"):
+            continue
         mm = open_shm_file(path)
         h = SlotHeader.unpack_from(mm)
         if h.state == SlotState.COMMITTED and h.data_len:
@@ -36,7 +43,7 @@ def corrupt_own_slots() -> int:
 
 def main() -> None:
     argv = sys.argv[1:]
-    extra = {"--corrupt-at": -1, "--kill-agent-at": -1}
+    extra = {"--corrupt-at": -1, "--kill-agent-at": -1, "--wipe-at": -1}
     for flag in extra:
         if flag in argv:
             i = argv.index(flag)
@@ -52,6 +59,9 @@ def main() -> None:
             return
         if step == extra["--corrupt-at"]:
             print(f"[test] rank {rank}: corrupted {corrupt_own_slots()} slots", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == extra["--wipe-at"]:
+            print(f"[test] rank {rank}: wiped {corrupt_own_slots(True)} snapshots", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == extra["--kill-agent-at"]:
             os.kill(os.getppid(), signal.SIGKILL)

@@ -1,0 +1,287 @@
+"""Peer-memory replication as seen by the agent (GEMINI's second tier).
+
+An agent extension (``replicator.agent_extension``), active when the job has several machines
+and ``--replicas M`` > 1.  Each agent:
+
+* runs a :class:`~ckptrun.replicator.ReplicaServer` on the address it uses to reach the
+  rendezvous, publishing it in the rendezvous store with a per-job secret agreed there;
+* replicates in **rounds** that every agent runs in step: in round r all agents agree on
+  ``S_r`` = the oldest of their newest committed steps (data-parallel nodes are at most a step
+  apart, so every node still holds it), copy their ranks' ``S_r`` out of the worker slots
+  into agent-owned copies (verified against the writer's checksum) and push those copies to
+  the M-1 peers of GEMINI's placement.  Every agent so holds, for its own ranks and for its
+  sources' ranks, the two newest round steps -- the same steps everywhere, which is what
+  lets a replacement machine and the survivors restore one common step;
+* on restore offers the newest step it can produce for all its ranks from its own slots, its
+  own copies, or -- for a machine that lost its memory -- the copies its holders keep, and
+  materialises exactly the agreed step into the worker slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+from ckptrun import placement
+from ckptrun import protocol as P
+from ckptrun.replication import PeerStore, copy_slot_file
+from ckptrun.replicator import ReplicaServer, fetch, inventory, push
+
+log = logging.getLogger("ckptrun.replication")
+
+KEY = "ckptrun/replica/"
+ROUND_TIMEOUT_S = 10.0
+EVENT_EVERY_S = 2.0  # `replicated` events per peer at most this often (rounds can be ms apart)
+
+
+def _rate_bps() -> Optional[float]:
+    """Pacing of replication traffic (MB/s, 0 = unpaced), from CKPTRUN_REPLICATION_MBPS."""
+    mbps = float(os.environ.get("CKPTRUN_REPLICATION_MBPS", "0") or 0)
+    return mbps * 1e6 if mbps > 0 else None
+
+
+def local_address(agent) -> str:
+    """The address this node uses to reach the rendezvous endpoint (where peers reach it):
+    ``--local-addr`` if given, else the interface that routes to the endpoint -- so a job
+    rendezvousing on 127.0.0.1 listens on loopback only."""
+    if agent.cfg.local_addr:
+        return socket.gethostbyname(agent.cfg.local_addr)
+    host, _, port = (agent.cfg.rdzv_endpoint or "").rpartition(":")
+    target = (host or agent.info.master_addr).strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # connect() sends nothing
+        s.connect((socket.gethostbyname(target), int(port or 0) or 1))
+        return s.getsockname()[0]
+
+
+class ReplicaTier:
+    """One agent's replication and peer restore (see the module docstring)."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        info, cfg = agent.info, agent.cfg
+        self.node, self.n = info.group_rank, info.group_world_size
+        self.m = placement.effective_replicas(self.n, cfg.replicas)
+        self.store = info.store
+        self.memory = agent.memory
+        self.ranks = [self.node * cfg.nproc_per_node + lr for lr in range(cfg.nproc_per_node)]
+        self.copies = PeerStore(agent.token)
+        self.secret = bytes.fromhex(self._agree_secret())
+        self.server = ReplicaServer(local_address(agent), self.secret, self.copies,
+                                    on_refused=self._refused, local_copy=self._own_slot)
+        self.store.set(f"{KEY}addr/{self.node}", "{}:{}".format(*self.server.address))
+        self.peers = placement.peers_of(self.node, self.n, self.m)
+        self.holders = [h for h in placement.holders_of(self.node, self.n, self.m)
+                        if h != self.node]
+        self.rate = _rate_bps()
+        self.replicated_step: Optional[int] = None
+        self._last_event: Dict[int, float] = {}
+        self._stop = threading.Event()
+        self._busy = threading.Lock()  # a round and a restore never touch slots together
+        self._attempt = -1
+        self._thread: Optional[threading.Thread] = None
+
+    # -- agent hooks ---------------------------------------------------------------------
+    def attempt_started(self, attempt: int) -> None:
+        self._attempt = attempt
+        self.replicated_step = None  # the restored step may be older than the last round
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ckptrun-replication",
+                                            daemon=True)
+            self._thread.start()
+
+    def finished(self, exit_code: int) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=ROUND_TIMEOUT_S)
+        self.server.stop()
+
+    def checkpoint_status(self) -> dict:
+        return {"peer_step": self.replicated_step,
+                "replica_peers": self.peers, "replica_holders": self.holders}
+
+    def restore_step(self, ranks: List[int], attempt: int,
+                     max_step: Optional[int]) -> Optional[Tuple[int, str]]:
+        """Offer (and materialise) the newest step <= max_step every rank here can get."""
+        self._attempt = attempt
+        with self._busy:
+            sources = self._sources(ranks)
+            common = set.intersection(*(set(s) for s in sources.values())) if sources else set()
+            for step in sorted((s for s in common if max_step is None or s <= max_step),
+                               reverse=True):
+                tier = self._materialise(ranks, step, sources)
+                if tier is not None:
+                    return step, tier
+        return None
+
+    # -- replication rounds --------------------------------------------------------------
+    def _loop(self) -> None:
+        rnd, attempt = 0, self._attempt
+        while not self._stop.is_set():
+            if self._attempt != attempt:  # a restart: rounds start over with the new attempt
+                rnd, attempt = 0, self._attempt
+            newest = self._newest_local()
+            if newest is None or (self.replicated_step is not None
+                                  and newest <= self.replicated_step):
+                self._stop.wait(0.02)
+                continue
+            try:
+                step = self._agree(f"{attempt}/{rnd}", newest)
+            except Exception as e:  # a peer is gone or the store is: the agent will notice
+                log.debug("replication round %s/%s: %s", attempt, rnd, e)
+                self._stop.wait(0.5)
+                continue
+            if step is None:  # stopped while waiting
+                continue
+            rnd += 1
+            if self.replicated_step is None or step > self.replicated_step:
+                with self._busy:
+                    self._replicate(step)
+
+    def _newest_local(self) -> Optional[int]:
+        """Newest step every local rank has committed (headers only: cheap)."""
+        if self.memory is None:
+            return None
+        steps = [set(self.memory.steps(r)) for r in self.ranks]
+        common = set.intersection(*steps) if steps else set()
+        return max(common) if common else None
+
+    def _agree(self, rnd: str, newest: int) -> Optional[int]:
+        """Every node posts its newest step for round ``rnd``; the round's step is the min.
+        None if the tier is stopped while waiting (a node that finished posts no more)."""
+        prefix = f"{KEY}round/{rnd}/"
+        self.store.set(prefix + str(self.node), str(newest))
+        keys = [prefix + str(g) for g in range(self.n)]
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while not self._stop.is_set():
+            try:
+                self.store.wait(keys, timedelta(seconds=0.5))
+                return min(int(v) for v in self.store.multi_get(keys))
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+        return None
+
+    def _replicate(self, step: int) -> None:
+        t0 = time.monotonic()
+        own: Dict[int, str] = {}
+        for r in self.ranks:
+            k = self.memory.steps(r).get(step)
+            dst = self.copies.incoming_path(r)
+            if k is None or dst is None:
+                return
+            try:
+                got = copy_slot_file(P.slot_path(self.memory.slot_prefix(r), k), dst)
+            finally:
+                self.copies.done(r)
+            if got != step:
+                return  # rewritten meanwhile or corrupt: this round has no copy of ours
+            own[r] = dst
+        sent: Dict[int, int] = {}
+        for peer in self.peers:
+            addr = self._addr(peer)
+            for r, path in own.items():
+                try:
+                    res = push(addr, self.secret, f"node{self.node}", r, path, self.rate)
+                except (OSError, ConnectionError) as e:
+                    log.debug("push of rank %d to node %d failed: %s", r, peer, e)
+                    res = None
+                if res is None:
+                    return
+                sent[peer] = sent.get(peer, 0) + res["bytes"]
+        self.replicated_step = step
+        now = time.monotonic()
+        for peer, nbytes in sent.items():
+            if now - self._last_event.get(peer, 0.0) >= EVENT_EVERY_S:
+                self._last_event[peer] = now
+                self.agent.events.emit("replicated", step=step, peer=peer, bytes=nbytes,
+                                       seconds=round(now - t0, 4))
+
+    # -- restore -------------------------------------------------------------------------
+    def _sources(self, ranks: List[int]) -> Dict[int, Dict[int, List[Tuple[str, object]]]]:
+        """{rank: {step: [(kind, where), ...]}} in order of preference: this node's worker
+        slots, its own copies, then the copies its holders keep."""
+        out: Dict[int, Dict[int, List[Tuple[str, object]]]] = {r: {} for r in ranks}
+        remote: Dict[int, Dict[int, List[int]]] = {}
+        for h in self.holders:
+            try:
+                remote[h] = inventory(self._addr(h), self.secret, f"node{self.node}")
+            except (OSError, ConnectionError, KeyError, ValueError) as e:
+                log.info("holder node %d unreachable: %s", h, e)
+        for r in ranks:
+            if self.memory is not None:
+                for s in self.memory.steps(r):
+                    out[r].setdefault(s, []).append(("slot", None))
+            for s, path in self.copies.copies(r).items():
+                out[r].setdefault(s, []).append(("copy", path))
+            for h, inv in remote.items():
+                for s in inv.get(r, []):
+                    out[r].setdefault(s, []).append(("peer", h))
+        return out
+
+    def _materialise(self, ranks: List[int], step: int, sources) -> Optional[str]:
+        """Put ``step`` of every rank into its worker slots, trying each source in turn (a
+        copy that fails verification is skipped); 'peer' if any came over the network,
+        'memory' if all was on this machine, None if some rank could not be had."""
+        tier = "memory"
+        for r in ranks:
+            for kind, where in sources[r][step]:
+                if kind == "slot":
+                    if self.memory.verify(r, step):
+                        break
+                    continue
+                dst = P.slot_path(self.memory.slot_prefix(r), self._free_slot(r, step))
+                if kind == "copy":
+                    got = copy_slot_file(where, dst)
+                else:
+                    got = fetch(self._addr(where), self.secret, f"node{self.node}", r, dst,
+                                step)
+                if got == step:
+                    tier = "peer" if kind == "peer" else tier
+                    break
+            else:
+                return None
+        return tier
+
+    def _free_slot(self, rank: int, step: int) -> int:
+        """A slot of ``rank`` to write ``step`` into (workers are stopped): a free one, else
+        the one already named for ``step`` (it failed verification), else the oldest."""
+        held = {k: s for s, k in self.memory.steps(rank).items()}
+        free = [k for k in range(self.memory.num_slots) if k not in held]
+        if free:
+            return free[0]
+        same = [k for k, s in held.items() if s == step]
+        return same[0] if same else min(held, key=held.get)
+
+    def _own_slot(self, rank: int, step: int) -> Optional[str]:
+        if self.memory is None:
+            return None
+        k = self.memory.steps(rank).get(step)
+        return None if k is None else P.slot_path(self.memory.slot_prefix(rank), k)
+
+    # -- store ---------------------------------------------------------------------------
+    def _agree_secret(self) -> str:
+        """The per-job secret: the first agent to ask creates it (in the rendezvous store)."""
+        mine = secrets.token_hex(32)
+        got = self.store.compare_set(f"{KEY}secret", "", mine)
+        return (got.decode() if isinstance(got, bytes) else got) or mine
+
+    def _addr(self, node: int) -> Tuple[str, int]:
+        raw = self.store.get(f"{KEY}addr/{node}")
+        host, _, port = (raw.decode() if isinstance(raw, bytes) else raw).rpartition(":")
+        return host, int(port)
+
+    def _refused(self, peer: str) -> None:
+        self.agent.events.emit("replication_refused", peer=peer)
+
+
+def agent_extension(agent) -> Optional[ReplicaTier]:
+    """The factory ``agent.load_extensions`` calls: only with peers to replicate to."""
+    if agent.info.group_world_size < 2 or agent.cfg.replicas < 2 or agent.memory is None:
+        return None
+    return ReplicaTier(agent)
