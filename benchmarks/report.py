@@ -167,6 +167,12 @@ def recovery_findings(results: Dict) -> List[str]:
         if r.get("met"):
             line += f"; DESIGN target {r['target']}: {r['met']}"
         out.append(line + ".")
+    waits = [float(x["trained_s"]) for r in rec if r.get("case", "").startswith("ckptrun")
+             for x in r.get("samples", []) if x.get("spares_warm")]
+    if waits:
+        out.append(f"ckptrun's warm spares were ready {min(waits):.0f}–{max(waits):.0f} s after "
+                   "training began (niced, importing torch while training saturates the CPU); "
+                   "the failures above came after that.")
     rep = {r.get("case"): r for r in results["sections"].get("replication", {}).get("rows", [])}
     if "push" in rep and "raw loopback TCP" in rep:
         p, t = rep["push"], rep["raw loopback TCP"]
