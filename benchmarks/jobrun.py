@@ -94,7 +94,7 @@ def read_events(run_dir: str) -> List[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
-def _shm_leftovers(events: List[dict]) -> List[str]:
+def shm_leftovers(events: List[dict]) -> List[str]:
     tokens = {e.get("job_token") for e in events if e.get("event") == "start"} - {None}
     left: List[str] = []
     for tok in tokens:
@@ -102,7 +102,7 @@ def _shm_leftovers(events: List[dict]) -> List[str]:
     return left
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL, the process group of a launch we started ourselves."""
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
@@ -138,10 +138,10 @@ def launch(spec: Launch, work: str, timeout_s: float,
                 break
             time.sleep(0.1)
         if proc.poll() is None:
-            _kill_group(proc)
+            kill_group(proc)
     wall = time.monotonic() - t0
     events = read_events(run_dir)
-    left = _shm_leftovers(events)
+    left = shm_leftovers(events)
     for path in left:  # report, then clean: a benchmark must not leave shm behind
         try:
             os.unlink(path)

@@ -131,8 +131,10 @@ class FailTrigger:
         waited = now - self.training_since
         if waited < self.min_train_s:
             return False
-        if self.launcher == "ckptrun":
-            self.warm = spares_warm(os.path.join(self.work, "run"), 2)
+        dirs = {"ckptrun": [("run", 2)], "two-agents": [("node0", 1), ("node1", 1)]}
+        if self.launcher in dirs:
+            self.warm = all(spares_warm(os.path.join(self.work, d), n)
+                            for d, n in dirs[self.launcher])
             if not self.warm and waited < self.max_wait_s:
                 return False
         open(os.path.join(self.work, "fail"), "w").close()
@@ -272,16 +274,31 @@ def machine_loss_supported() -> bool:
     return hasattr(replicator, "agent_extension")
 
 
-def machine_loss_row(mb: int) -> Row:
-    """HOOK: machine loss -> restored from peer memory.  Not measured yet (see note)."""
-    note = ("not available yet: ckptrun's agent does not restore from peer memory in this "
-            "checkout (multi-node support is being built); no number is reported")
-    if machine_loss_supported():
-        note = ("ckptrun now has peer restore, but this harness does not measure it yet: "
-                "implement benchmarks/recovery.py:machine_loss_row (two agents, kill one "
-                "agent with its workers, start a replacement)")
-    return {"case": "ckptrun", "failure": "machine loss", "bytes": mb << 20,
-            "target": "restored from peer memory, 0 steps lost", "met": "n/a", "note": note}
+def machine_loss_row(mb: int, reps: int, root: str) -> Row:
+    """Machine memory lost -> restored from peer memory (``benchmarks/machine_loss.py``),
+    or "not available yet" while the agent has no peer-memory tier."""
+    case = dict(failure="machine memory lost (rank 1's node)",
+                target="restored from peer memory, 0 steps lost")
+    if not machine_loss_supported():
+        return {"case": "ckptrun", "failure": case["failure"], "bytes": mb << 20,
+                "target": case["target"], "met": "n/a",
+                "note": "not available yet: ckptrun's agent does not restore from peer "
+                        "memory in this checkout; no number is reported"}
+    from benchmarks.machine_loss import run_once
+
+    samples = [run_once(mb, root, FailTrigger, measure) for _ in range(reps)]
+    row = _summary("ckptrun 2 agents × 1 rank, --replicas 2", case, mb, samples)
+    good = [s for s in samples if "error" not in s]
+    tiers = sorted({str(s["tiers"].get("1", s["tiers"].get(1, "nothing (step 0)")))  # type: ignore[union-attr]
+                    for s in good})
+    if "median_s" in row:
+        row["met"] = ("yes" if tiers == ["peer"] and float(row["steps_lost"]) == 0 else "no")
+    failed = [p for p in str(row.get("note", "")).split("; ") if "failed" in p]
+    row["note"] = "; ".join(x for x in [
+        f"rank 1 restored from: {'/'.join(tiers)}" if tiers else "",
+        "the lost machine's agent survives (its snapshots are made unusable, then its "
+        "worker is killed); a replacement agent joining is not measured", *failed] if x)
+    return row
 
 
 @section("recovery", "Recovery: failure → first completed step after restore", COLUMNS,
@@ -320,7 +337,17 @@ def recovery(ctx: Context) -> List[Row]:
                 row["vs_ckptrun"] = float(row["lost_s"]) / float(base)
         observe = float(ctx.options.get("hang_observe_s") or (3.0 if ctx.quick else 30.0))
         rows.insert(3, torchrun_hang_row(mb, root, observe))
-        rows.append(machine_loss_row(mb))
         return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@section("machine_loss", "Machine memory loss → restored from a peer's copy", COLUMNS,
+         note="two agents on localhost, one rank each; medians over rounds (min/max)")
+def machine_loss(ctx: Context) -> List[Row]:
+    reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
+    root = tempfile.mkdtemp(prefix="ckptrun-bench-machine-", dir=ctx.tmpdir)
+    try:
+        return [machine_loss_row(state_mb(ctx), reps, root)]
     finally:
         shutil.rmtree(root, ignore_errors=True)

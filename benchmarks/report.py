@@ -187,14 +187,20 @@ def recovery_findings(results: Dict) -> List[str]:
     return out
 
 
-def update_doc(results: Dict, path: str) -> None:
-    """Replace the text between the BEGIN/END markers of ``path`` with this run's tables."""
+def update_doc(results: Dict, path: str, extra: Sequence[Dict] = ()) -> None:
+    """Replace the text between the BEGIN/END markers of ``path`` with this run's tables
+    (and those of ``extra`` runs, each with its own provenance line, after them)."""
     with open(path) as f:
         text = f.read()
     if BEGIN not in text or END not in text:
         raise ValueError(f"{path} has no generated-section markers")
-    findings = "\n".join(f"- {line}" for line in key_findings(results))
+    lines = key_findings(results)
+    for more in extra:
+        lines += recovery_findings(more)
+    findings = "\n".join(f"- {line}" for line in lines)
     body = f"{BEGIN}\n\n### Headline ratios\n\n{findings}\n\n### Tables\n\n{markdown_sections(results)}"
+    for more in extra:
+        body += f"\n\n### Tables of a separate run\n\n{markdown_sections(more)}"
     plots = results["meta"].get("plots") or []
     if plots:
         here = os.path.dirname(os.path.abspath(path))
@@ -217,13 +223,18 @@ def _short(v: object) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report")
     ap.add_argument("results")
+    ap.add_argument("more", nargs="*", help="further results JSON rendered after the first")
     ap.add_argument("--markdown", help="write the Markdown tables here instead of printing")
     ap.add_argument("--update-doc", help="rewrite the generated part of this Markdown file")
     args = ap.parse_args(argv)
     with open(args.results) as f:
         results = json.load(f)
+    extra = []
+    for path in args.more:
+        with open(path) as f:
+            extra.append(json.load(f))
     if args.update_doc:
-        update_doc(results, args.update_doc)
+        update_doc(results, args.update_doc, extra)
     elif args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown_sections(results) + "\n")

@@ -128,6 +128,29 @@ def dcp_restore(root: str, ddp: nn.Module, optim: torch.optim.Optimizer,
 
 # ---------------------------------------------------------------- main loop
 
+def wipe_machine_memory() -> int:
+    """Make every snapshot this machine's agent holds unusable (its workers' slots and the
+    peer copies it keeps): invert a page in the middle of the data, so checksums fail.
+    Stands for a machine whose memory is gone; only other machines' copies are left."""
+    from ckptrun import protocol as P
+
+    prefix = os.environ[P.ENV_SLOT_PREFIX]  # <shm>/ckptrun-<token>-r<rank>-s
+    n = 0
+    for path in glob.glob(prefix[: prefix.rindex("-r")] + "-*"):
+        if path.endswith("-control"):
+            continue
+        mm = P.open_shm_file(path)
+        try:
+            h = P.SlotHeader.unpack_from(mm)
+            if h.state == P.SlotState.COMMITTED and h.data_len >= 2 * P.PAGE:
+                mid = h.data_offset + (h.data_len // 2 // P.PAGE) * P.PAGE
+                mm[mid : mid + P.PAGE] = bytes(b ^ 0xFF for b in mm[mid : mid + P.PAGE])
+                n += 1
+        finally:
+            mm.close()
+    return n
+
+
 def due(args: argparse.Namespace, at: int, step: int, running_s: float) -> bool:
     """Fail at ``at``, or later once ``--fail-after-s`` of training passed, at the same
     position in the ``--save-every`` cycle (so the baselines' loss is comparable)."""
@@ -144,6 +167,8 @@ def inject(args: argparse.Namespace, log: StepLog, step: int, rank: int, attempt
     if attempt != 0 or rank != args.fail_rank:
         return
     if due(args, args.kill_at, step, running_s):
+        if args.wipe:
+            log.write("wiped", files=wipe_machine_memory())
         log.write("kill", step=step)
         os.kill(os.getpid(), signal.SIGKILL)
     if due(args, args.hang_at, step, running_s):
@@ -164,6 +189,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--fail-after-s", type=float, default=0.0,
                    help="train at least this long before failing (a launcher's warm-up done)")
     p.add_argument("--fail-file", default="", help="fail only once this file exists")
+    p.add_argument("--wipe", action="store_true",
+                   help="with --kill-at: first wipe this machine's snapshots (ckptrun)")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--log-dir", required=True)
     p.add_argument("--alternate", type=int, default=0,
