@@ -149,7 +149,8 @@ def key_findings(results: Dict) -> List[str]:
 def recovery_findings(results: Dict) -> List[str]:
     """Headline sentences of the recovery, replication and overhead sections."""
     out: List[str] = []
-    rec = results["sections"].get("recovery", {}).get("rows", [])
+    rec = [r for name in ("recovery", "machine_loss")
+           for r in results["sections"].get(name, {}).get("rows", [])]
     base = next((r for r in rec if r.get("case") == "ckptrun" and "median_s" in r), None)
     for r in rec:
         if "median_s" not in r:
@@ -168,7 +169,7 @@ def recovery_findings(results: Dict) -> List[str]:
             line += f"; DESIGN target {r['target']}: {r['met']}"
         out.append(line + ".")
     waits = [float(x["trained_s"]) for r in rec if r.get("case", "").startswith("ckptrun")
-             for x in r.get("samples", []) if x.get("spares_warm")]
+             for x in r.get("samples", []) if x.get("spares_warm") and "trained_s" in x]
     if waits:
         out.append(f"ckptrun's warm spares were ready {min(waits):.0f}–{max(waits):.0f} s after "
                    "training began (niced, importing torch while training saturates the CPU); "
