@@ -18,6 +18,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ckptrun import storage
+from ckptrun.persist_rounds import PersistRounds
 from ckptrun.persister import Persister
 
 log = logging.getLogger("ckptrun.durable")
@@ -38,12 +39,22 @@ class DurableTier:
                                  for lr in range(cfg.nproc_per_node)]
         self.world_size = info.group_world_size * cfg.nproc_per_node
         self.restored_from_storage: Optional[int] = None
-        # A durable copy needs every rank; a node holding only its own ranks cannot finalize
-        # one alone (cross-node finalize is the multi-node persistence work still open).
+        # A durable step needs every rank.  One machine writes it alone; on several, node 0
+        # leads persist rounds in the store and every node writes its own ranks' part.
         self.persister: Optional[Persister] = None
-        if self.memory is not None and info.group_world_size == 1:
+        self.rounds: Optional[PersistRounds] = None
+        if self.memory is None:
+            return
+        # reads pin the slot they copy, so the worker writes its next snapshots elsewhere
+        self.memory.attach_control(agent.control, {r: r - self.ranks[0] for r in self.ranks})
+        reader, write = self._read, None
+        if info.group_world_size > 1:
+            self.rounds = PersistRounds(info.store, info.group_rank, info.group_world_size,
+                                        self.ranks, self.memory, agent.events.emit, self.url)
+            reader, write = self.rounds.read, self.rounds.write
+        if info.group_rank == 0:
             self.persister = Persister(
-                self.url, reader=self._read, world_size=self.world_size,
+                self.url, reader=reader, write=write, world_size=self.world_size,
                 every_steps=cfg.persist_every_steps,
                 every_seconds=None if cfg.persist_every_steps else cfg.persist_every_seconds,
                 keep=cfg.keep, emit=agent.events.emit,
@@ -77,18 +88,27 @@ class DurableTier:
     def attempt_started(self, attempt: int) -> None:
         if self.persister is not None:
             self.persister.start()
+        elif self.rounds is not None:
+            self.rounds.start_follower()
 
     def tick(self) -> None:
         if self.persister is not None:
             self.persister.notify(0)
 
     def finished(self, exit_code: int) -> None:
-        if self.persister is None:
+        """Persist the final step of a successful job (every node takes part)."""
+        if self.persister is None:  # a follower: answer the leader's final round
+            if self.rounds is not None:
+                (self.rounds.finish_follower if exit_code == 0 else self.rounds.stop)()
             return
         if exit_code == 0 and self.memory is not None:
             step = self.memory.common_step(self.ranks)
             if step:
+                if self.rounds is not None:
+                    self.rounds.final_step = step
                 self.persister.final(step)
+        if self.rounds is not None:
+            self.rounds.close_leader()
         self.persister.stop()
 
     def checkpoint_status(self) -> dict:

@@ -108,13 +108,12 @@ class ReplicaServer:
             send_frame(conn, {"ok": True})
             t0 = time.monotonic()
             ok = receive_slot(conn, path, req)
-            send_frame(conn, {"ok": ok})
-            if ok and self._on_received:
-                self._on_received(rank, int(req["step"]),
-                                  int(req["meta_len"]) + int(req["data_len"]),
-                                  time.monotonic() - t0)
         finally:
-            self.store.done(rank)
+            self.store.done(rank)  # before the reply: the sender's next push is not "busy"
+        send_frame(conn, {"ok": ok})
+        if ok and self._on_received:
+            self._on_received(rank, int(req["step"]), int(req["meta_len"]) + int(req["data_len"]),
+                              time.monotonic() - t0)
 
     def _fetch(self, conn: socket.socket, req: dict) -> None:
         """Serve a held copy of ``rank`` (newest, or exactly ``step``): a peer copy, else this
@@ -135,6 +134,7 @@ def _stream_slot_file(conn: socket.socket, path: str, rank: int,
                       rate_bps: Optional[float] = None, op: Optional[str] = None) -> Optional[int]:
     """Announce and stream the committed slot at ``path``; returns bytes sent or None."""
     mm = P.open_shm_file(path, write=False)
+    regions: list = []
     try:
         h, regions = slot_regions(mm)
         if h.state != P.SlotState.COMMITTED:
@@ -152,11 +152,14 @@ def _stream_slot_file(conn: socket.socket, path: str, rank: int,
             now = P.SlotHeader.unpack_from(mm)
             return (now.state, now.step, now.seq) == (h.state, h.step, h.seq)
 
-        sent = send_stream(conn, regions, rate_bps, unchanged)
-        del regions
-        return sent
+        return send_stream(conn, regions, rate_bps, unchanged)
     finally:
-        mm.close()
+        for r in regions:  # early returns too: exported views would keep mm from closing
+            r.release()
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a failed send's traceback still holds a slice; unmapped when collected
 
 
 def push(addr: Tuple[str, int], secret: bytes, node: str, rank: int, src_path: str,

@@ -112,3 +112,31 @@ def test_machine_memory_lost_restores_from_peer_copy(tmp_path, reference):
     assert r0[0]["step"] == r1[0]["step"] and 10 <= r1[0]["step"] <= 15
     assert_equal(load(str(tmp_path / "final.pt")), reference)
     no_shm_left(dirs)
+
+
+def test_durable_steps_are_written_by_every_machine(tmp_path, reference):
+    """Each machine writes its own ranks' part, machine 0 finalizes; a second run of the same
+    command (same run dirs) resumes from the final durable step on both machines."""
+    persist = str(tmp_path / "durable")
+    out = str(tmp_path / "final.pt")
+    args = ("--persist-to", persist, "--persist-every", "5")
+    results, dirs = two_machines(tmp_path, out, "--step-time", "0.05", agent_args=args)
+    assert [rc for rc, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    from ckptrun import storage
+
+    steps = [s["step"] for s in storage.list_steps(persist)]
+    assert STEPS in steps and len(steps) >= 2, steps
+    for node, d in enumerate(dirs):
+        assert STEPS in [e["step"] for e in of(events(d), "persisted")], node
+    for rank in (0, 1):
+        meta, tensors = storage.read_rank(persist, STEPS, rank)
+        assert meta["rank"] == rank and tensors
+
+    os.unlink(out)
+    results, dirs = two_machines(tmp_path, out, agent_args=args)
+    assert [rc for rc, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    for d in dirs:
+        restored = of(events(d), "restored")
+        assert restored[-1]["tier"] == "storage" and restored[-1]["step"] == STEPS
+    assert_equal(load(out), reference)
+    no_shm_left(dirs)

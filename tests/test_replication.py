@@ -156,3 +156,14 @@ def test_sender_killed_mid_transfer_leaves_no_usable_copy(token, server):
     # the half-written incoming slot was released: a complete push now succeeds
     make_slot(src, 6, b"k" * 1000)
     assert push(server.address, SECRET, "node-a", 3, src)["step"] == 6
+
+
+def test_back_to_back_pushes_of_one_rank_all_land(token, server):
+    """The receiver frees a rank before it replies, so the sender's next push is never
+    refused as busy (and an early return never leaks a mapped view)."""
+    src = f"/dev/shm/ckptrun-{token}-r3-s0"
+    for step in range(1, 41):
+        make_slot(src, step, bytes([step]) * (1 << 20))
+        res = push(server.address, SECRET, "node-a", 3, src)
+        assert res is not None and res["step"] == step
+    assert server.store.latest(3)[0] == 40

@@ -1,0 +1,179 @@
+"""Durable checkpoints of a job spread over several machines: persist rounds in the store.
+
+A durable step needs every rank, and each machine holds only its own ranks.  Node 0 leads:
+its :class:`~ckptrun.persister.Persister` decides when a persist is due, and each of its
+attempts is a *round* ``r`` in the rendezvous store:
+
+1. the leader posts ``want`` (the oldest acceptable step); every node posts the newest step
+   all its local ranks committed; the round's step ``S`` is the step *after* the newest any
+   node posted (so no node can have overwritten it yet: workers keep only their newest
+   commits), or -1 when that is older than ``want``; the final round of a finished job
+   takes the job's last step instead;
+2. every node waits until its ranks commit ``S``, copies it out of the worker slots (pinned)
+   and writes it as its *part*
+   (:func:`ckptrun.storage.write_parts`) -- the nodes write in parallel -- then posts the
+   part's JSON description (or an error);
+3. the leader finalizes (``.metadata`` then ``ckptrun.json``) and posts ``done``; every node
+   then reports ``persisted`` (or ``persist_failed``) in its own events.
+
+Nothing here ever blocks training: it runs in the persister's and the followers' threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ckptrun import storage
+
+log = logging.getLogger("ckptrun.persist")
+
+KEY = "ckptrun/persist/"
+WAIT_S = 120.0  # a round in which some node does not answer for this long fails
+
+
+class PersistRounds:
+    """One node's side of the rounds (see the module docstring)."""
+
+    def __init__(self, store, node: int, nnodes: int, ranks: List[int], memory,
+                 emit: Callable[..., Any], url: str, threads: int = 2) -> None:
+        self.store, self.node, self.nnodes = store, node, nnodes
+        self.ranks, self.memory, self.emit, self.url = ranks, memory, emit, url
+        self.threads = threads
+        self.round = 0
+        self.final_step: Optional[int] = None  # set for the last round of a finished job
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- leader (node 0): the Persister's reader and writer ---------------------------------
+    def read(self, min_step: int) -> Optional[Tuple[int, Dict[int, tuple]]]:
+        """Open a round: agree on its step; None when no step >= min_step exists everywhere."""
+        self.round += 1
+        k = f"{KEY}{self.round}/"
+        self.store.set(k + "want", str(min_step))
+        try:
+            newest = self._agree(k, self._newest())
+            step = self.final_step if self.final_step is not None else newest + 1
+            self.store.set(k + "step", str(step if step >= min_step else -1))
+            if step < min_step:
+                return None
+            return step, self._read_step(step)
+        except Exception as e:
+            self.store.set(k + "done", f"error: {type(e).__name__}: {e}")  # never leave a
+            raise  # follower waiting for a round that will not finish
+
+    def write(self, url: str, step: int, snaps: Dict[int, tuple], world_size: int,
+              threads: int = 2) -> Dict[str, Any]:
+        """Write node 0's part, gather the others', finalize; announce the outcome."""
+        k = f"{KEY}{self.round}/"
+        t0 = time.monotonic()
+        try:
+            parts = [storage.write_parts(url, step, snaps, node=self.node, threads=threads)]
+            for g in range(1, self.nnodes):
+                raw = self._wait(k + f"part/{g}")
+                if raw.startswith("error:"):
+                    raise storage.StorageError(f"node {g}: {raw[6:].strip()}")
+                parts.append(json.loads(raw))
+            index = storage.finalize(url, step, parts, world_size)
+        except Exception as e:
+            self.store.set(k + "done", f"error: {e}")
+            raise
+        self.store.set(k + "done", "ok")
+        return {"bytes": index["bytes"], "seconds": time.monotonic() - t0,
+                "url": storage.step_url(url, step)}
+
+    def close_leader(self) -> None:
+        """After the leader's last round (the final persist): followers may stop."""
+        self.store.set(f"{KEY}closed", str(self.round))
+
+    # -- followers (nodes 1..N-1) ----------------------------------------------------------
+    def start_follower(self) -> None:
+        """Start answering the leader's rounds (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._follow, name="ckptrun-persist-rounds",
+                                        daemon=True)
+        self._thread.start()
+
+    def finish_follower(self, timeout: float = 60.0) -> None:
+        """At a successful end: keep answering until the leader's final round is over."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and not self.store.check([f"{KEY}closed"]):
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 -- the leader left and took the store with it
+            pass
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            k = f"{KEY}{self.round + 1}/"
+            try:
+                if not self.store.check([k + "want"]):
+                    self._stop.wait(0.1)
+                    continue
+                self.round += 1
+                self._answer(k)
+            except Exception as e:  # noqa: BLE001 -- the store may be gone at the end
+                log.debug("persist round %s: %s", k, e)
+                self._stop.wait(0.5)
+
+    def _answer(self, k: str) -> None:
+        self._agree(k, self._newest())
+        step = int(self._wait(k + "step"))
+        if step < 0:
+            return
+        t0, part = time.monotonic(), None
+        try:
+            snaps = self._read_step(step)
+            part = storage.write_parts(self.url, step, snaps, node=self.node,
+                                       threads=self.threads)
+            self.store.set(k + f"part/{self.node}", json.dumps(part))
+        except Exception as e:  # noqa: BLE001
+            self.store.set(k + f"part/{self.node}", f"error: {type(e).__name__}: {e}")
+        done = self._wait(k + "done")
+        if done == "ok":
+            self.emit("persisted", step=step, url=storage.step_url(self.url, step),
+                      bytes=int(part["bytes"]) if part else 0,
+                      seconds=round(time.monotonic() - t0, 4))
+        else:
+            self.emit("persist_failed", step=step, error=done.partition("error:")[2].strip())
+
+    # -- shared ----------------------------------------------------------------------------
+    def _newest(self) -> int:
+        """Newest step every local rank committed (headers only), -1 if none."""
+        steps = [set(self.memory.steps(r)) for r in self.ranks]
+        common = set.intersection(*steps) if steps else set()
+        return max(common) if common else -1
+
+    def _agree(self, k: str, newest: int) -> int:
+        """Post this node's newest step; returns the newest any node posted."""
+        self.store.set(k + f"newest/{self.node}", str(newest))
+        return max(int(self._wait(k + f"newest/{g}")) for g in range(self.nnodes))
+
+    def _read_step(self, step: int) -> Dict[int, tuple]:
+        """Private copies of every local rank's ``step``, as soon as it is committed (the
+        slots are polled: a step stays in them only for the next couple of saves)."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            held = [self.memory.steps(r) for r in self.ranks]
+            if all(step in h for h in held):
+                return {r: self.memory.read(r, step) for r in self.ranks}
+            if any(h and min(h) > step for h in held) or time.monotonic() > deadline \
+                    or self._stop.is_set():
+                raise KeyError(f"step {step} is not (or no longer) in this node's memory")
+            time.sleep(0.002)
+
+    def _wait(self, key: str) -> str:
+        self.store.wait([key], timedelta(seconds=WAIT_S))
+        raw = self.store.get(key)
+        return raw.decode() if isinstance(raw, bytes) else raw
