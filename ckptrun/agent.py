@@ -28,13 +28,19 @@ from ckptrun import protocol as P
 from ckptrun.config import AgentConfig
 from ckptrun.events import EventLog, ensure_run_dir, read_json, write_json_atomic
 from ckptrun.hang import HangDetector, dump_stacks, stacks_path
+from ckptrun.membership import (
+    NodeLost,
+    decide_restore,
+    join_round,
+    node_memory,
+    replace_nodes,
+)
 from ckptrun.reaper import Reaper, unlink_shm
 from ckptrun.rendezvous import (
     FAILED,
     FATAL,
     RUN,
     Epoch,
-    JobCoordinator,
     Rendezvous,
     agent_base_env,
     torchrun_env,
@@ -60,64 +66,6 @@ def _config_error(cfg: AgentConfig) -> Optional[str]:
         if bad:
             return msg
     return None
-
-
-def node_memory(job_token: str, num_slots: int):
-    """The memory tier's agent-side view, or None if ``ckptrun/memory.py`` is absent."""
-    with contextlib.suppress(ImportError):
-        from ckptrun.memory import NodeMemory
-        return NodeMemory(job_token, num_slots)
-    return None
-
-
-# Other tiers plug in here without editing this file: a module listed below may define
-# ``agent_extension(agent) -> object | None``.  The object may implement any of
-#   restore_step(ranks, attempt, max_step) -> (step, tier) | None   (materialise the newest
-#       step <= max_step (None: any) of ``ranks`` into their slot files, before workers start)
-#   attempt_started(attempt), tick(), finished(exit_code), checkpoint_status() -> dict
-# Restore order: memory, then these in list order (peer memory, then durable storage).
-EXTENSION_MODULES = ("ckptrun.replicator", "ckptrun.persister")
-
-
-def load_extensions(agent) -> list:
-    """Instantiate the tier extensions that exist in this build."""
-    import importlib
-
-    exts = []
-    for name in EXTENSION_MODULES:
-        with contextlib.suppress(ImportError):
-            factory = getattr(importlib.import_module(name), "agent_extension", None)
-            exts += [e for e in [factory(agent) if factory else None] if e is not None]
-    return exts
-
-
-def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
-                   forced_step: Optional[int] = None, tiers=()) -> Dict[str, object]:
-    """The ``CKPTRUN_RESTORE`` value for this attempt: the newest step every rank of the job
-    can restore -- from memory, else from the tiers (peers, storage) -- agreed across nodes;
-    then slots of an abandoned, newer timeline are dropped.  ``forced_step``: a rollback.
-    """
-    local = None
-    if memory is not None:
-        if forced_step is None:
-            local = memory.common_step(ranks)
-        elif all(memory.verify(r, forced_step) for r in ranks):
-            local = forced_step
-    step, tier = coord.agree_restore_step(f"{attempt}/memory", local), "memory"
-    for i, ext in enumerate(t for t in tiers if hasattr(t, "restore_step")):
-        if step:
-            break
-        got = ext.restore_step(ranks, attempt, forced_step)
-        step, tier = coord.agree_restore_step(f"{attempt}/{i}", got and got[0]), got[1] if got else tier
-        if step and coord.nnodes > 1:  # a node offered less: every node materialises that
-            if got[0] != step:
-                got = ext.restore_step(ranks, attempt, step)
-            step = coord.agree_restore_step(f"{attempt}/{i}/2", step if got and got[0] == step else None)
-    if step and step > 0:
-        if memory is not None:
-            memory.discard_newer(ranks, step)
-        return {"step": step, "tier": tier}
-    return {"step": 0}
 
 
 class Agent:
@@ -164,20 +112,25 @@ class Agent:
     def _run(self) -> int:
         cfg = self.cfg
         self.rdzv = Rendezvous(cfg)
-        self.info = self.rdzv.join()
-        self.coord = JobCoordinator(self.info.store, self.info.group_rank,
-                                    self.info.group_world_size, cfg.max_restarts)
-        self.epoch = self.coord.init()
-        self.extensions = load_extensions(self)
+        if not join_round(self):
+            return 1
         self.events.emit("start", nnodes=self.info.group_world_size,
                          nproc_per_node=cfg.nproc_per_node, node=self.info.group_rank,
                          run_id=self.info.run_id, job_token=self.token)
         while True:
             if self.epoch.state in (FAILED, FATAL):
                 return 1 if self.epoch.state == FAILED else 2
-            self._start_group()
-            outcome = self._supervise()
+            self._started = False
+            try:
+                self._start_group()
+                outcome = self._supervise()
+            except NodeLost as lost:
+                outcome = lost
             self._stop_group()
+            if isinstance(outcome, NodeLost):
+                if not replace_nodes(self, outcome):
+                    return 1
+                continue
             if outcome == "done":
                 self.coord.exit_barrier(self.epoch.attempt)
                 return 0
@@ -201,7 +154,7 @@ class Agent:
         self.restore = decide_restore(self.memory, self._ranks(), self.coord, attempt,
                                       self.coord.rollback_step(attempt), self.extensions)
         self.restored_emitted = False
-        port = self.coord.master_port(attempt, info)
+        master_addr, port = self.coord.master_port(attempt, info, self._own_addr)
         logs = os.path.join(self._log_root(), f"attempt_{attempt}")
         os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
         self.hang.reset()
@@ -212,7 +165,7 @@ class Agent:
             env = dict(self.launcher.base_env)
             env.update(torchrun_env(
                 cfg, local_rank=lr, group_rank=info.group_rank,
-                group_world_size=info.group_world_size, master_addr=info.master_addr,
+                group_world_size=info.group_world_size, master_addr=master_addr,
                 master_port=port, attempt=attempt, run_id=info.run_id,
                 use_agent_store=info.use_agent_store,
                 error_file=os.path.join(rank_logs, "error.json")))
@@ -226,6 +179,7 @@ class Agent:
                 env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
             self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
         self.launcher.schedule_spares()
+        self._started = True
         self._call("attempt_started", attempt)
         self.state = "running"
         self._write_status(force=True)
@@ -276,6 +230,8 @@ class Agent:
                 marked_done = True
             if marked_done and self.coord.all_done(attempt):
                 return "done"
+            if self.live is not None:
+                self.live.check()  # raises NodeLost
             epoch = self.coord.poll()
             if epoch != self.epoch:
                 return epoch  # another node failed: restart here too
@@ -368,6 +324,8 @@ class Agent:
         try:
             stop_workers(self.workers, self.cfg.shutdown_timeout)
             self._call("finished", code)  # e.g. the final persist of a successful job
+            if getattr(self, "live", None) is not None:
+                self.live.stop()
         finally:
             self.launcher.close()
             self.state = "succeeded" if code == 0 else "failed"

@@ -16,12 +16,13 @@ a previous attempt's keys.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun.config import AgentConfig
 
@@ -66,6 +67,11 @@ class Rendezvous:
         self.cfg = cfg
         backend, endpoint, run_id, configs = resolve_rdzv(cfg)
         self.backend = backend
+        if backend in ("c10d", "etcd-v2"):
+            # torch drops a dead participant after keep_alive_interval * max_attempt seconds
+            # (default 5 x 3); 1 x 3 lets a replacement machine in quickly.  --rdzv-conf wins.
+            configs.setdefault("keep_alive_interval", 1)
+            configs.setdefault("keep_alive_max_attempt", 3)
         params = RendezvousParameters(
             backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=cfg.min_nodes,
             max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **configs,
@@ -81,6 +87,15 @@ class Rendezvous:
         info = self.handler.next_rendezvous()
         boot = info.bootstrap_store_info
         addr, port = boot.master_addr, boot.master_port
+        if self.backend != "static":
+            # torch 2.13 (shared TCPStore) publishes MASTER_ADDR/PORT in a round's store only
+            # from a rank 0 that has no bootstrap info yet: after a re-rendezvous a survivor
+            # never does, and a newcomer waits for the keys until its read timeout.  Every
+            # node offers the values it holds; the first one wins (they only serve attempt 0).
+            from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo as S
+
+            info.store.compare_set(S.MASTER_ADDR_KEY, "", str(addr))
+            info.store.compare_set(S.MASTER_PORT_KEY, "", str(port))
         if self._static_master is not None:  # torchrun: explicit master for static only
             addr, port = self._static_master
         return NodeInfo(info.store, info.rank, info.world_size, addr, int(port),
@@ -133,6 +148,9 @@ class JobCoordinator:
         self.timeout = timedelta(seconds=timeout_s)
         self._key = KEY_PREFIX + "epoch"
         self._attempt_store = None  # node 0: the store served to this attempt's workers
+        # Called while waiting on other nodes; raises (e.g. NodeLost) to abandon the wait
+        # when a node of this round is gone -- it would never post its key.
+        self.check: Callable[[], None] = lambda: None
 
     def init(self) -> Epoch:
         """The current epoch; the first agent to ask creates ``0:0:run``."""
@@ -169,12 +187,35 @@ class JobCoordinator:
         return self._advance(attempt, lambda cur: Epoch(cur.attempt + 1, cur.restarts))
 
     # -- per-attempt agreements ----------------------------------------------------------
+    def _wait(self, keys: List[str]) -> None:
+        """``store.wait`` in short slices, calling :attr:`check` between them."""
+        import time
+
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=0.5))
+                return
+            except Exception:
+                self.check()
+                if time.monotonic() > deadline:
+                    raise
+
     def _gather(self, name: str, key: str, value: str) -> List[str]:
         prefix = f"{KEY_PREFIX}{name}/{key}/"
         self.store.set(prefix + str(self.group_rank), value)
         keys = [prefix + str(g) for g in range(self.nnodes)]
-        self.store.wait(keys, self.timeout)
+        self._wait(keys)
         return [v.decode() for v in self.store.multi_get(keys)]
+
+    def agree_common_step(self, key: str, steps: List[int]) -> Optional[int]:
+        """The newest step every node offers in ``steps`` (None if there is none)."""
+        if self.nnodes == 1:
+            return max(steps) if steps else None
+        common = set(steps)
+        for v in self._gather("restore", key, json.dumps(sorted(steps))):
+            common &= set(json.loads(v))
+        return max(common) if common else None
 
     def agree_restore_step(self, key: str, local_step: Optional[int]) -> Optional[int]:
         """The step every node can restore (min over nodes); None if one has none.
@@ -185,33 +226,38 @@ class JobCoordinator:
             -1 if local_step is None else local_step))]
         return None if min(steps) < 0 else min(steps)
 
-    def master_port(self, attempt: int, info: NodeInfo) -> int:
-        """MASTER_PORT for ``attempt``: a store no earlier attempt has written to.
+    def master_port(self, attempt: int, info: NodeInfo, own_addr: Optional[str] = None
+                    ) -> Tuple[str, int]:
+        """(MASTER_ADDR, MASTER_PORT) for ``attempt``: a store no earlier attempt has used.
 
         torch 2.13 workers no longer prefix their keys by attempt ("a new TCPStore for every
         retry"): torch's agent gets a new store from every re-rendezvous.  The fast path has
         no new round, so node 0 hosts a fresh store per attempt (agent store) or picks a
         fresh port for rank 0's own store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``);
         reusing the old one makes gloo connect to the previous attempt's addresses.
+        Node 0 publishes its own address (``own_addr``): after a re-rendezvous torch's round
+        rank 0, whose address ``info.master_addr`` is, need not be our group rank 0.
         """
         if attempt == 0:
-            return info.master_port
+            return info.master_addr, info.master_port
         key = f"{KEY_PREFIX}port/{attempt}"
         if self.group_rank == 0:
+            addr = own_addr or info.master_addr
             if info.use_agent_store:
                 import torch.distributed as dist
 
                 old = self._attempt_store
                 self._attempt_store = dist.TCPStore(
-                    info.master_addr, 0, None, True, self.timeout, wait_for_workers=False,
+                    addr, 0, None, True, self.timeout, wait_for_workers=False,
                     multi_tenant=True)
                 port = self._attempt_store.port
                 del old  # the previous attempt's workers are gone
             else:
-                port = free_port()
-            self.store.compare_set(key, "", str(port))
-        self.store.wait([key], self.timeout)
-        return int(self.store.get(key))
+                port = free_port(addr)
+            self.store.compare_set(key, "", f"{addr}:{port}")
+        self._wait([key])
+        host, _, port = self.store.get(key).decode().rpartition(":")
+        return host, int(port)
 
     def set_rollback(self, attempt: int, step: int) -> None:
         """Attempt ``attempt`` restores exactly ``step`` (``ckptrun restore --rollback``)."""

@@ -96,9 +96,15 @@ class ReplicaTier:
             self._thread.start()
 
     def finished(self, exit_code: int) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the rounds and the server (membership changed or job over); the copies in
+        shared memory stay for the next membership's tier (same agent token)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=ROUND_TIMEOUT_S)
+            self._thread = None
         self.server.stop()
 
     def checkpoint_status(self) -> dict:
