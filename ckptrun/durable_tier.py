@@ -111,6 +111,14 @@ class DurableTier:
             self.rounds.close_leader()
         self.persister.stop()
 
+    def close(self) -> None:
+        """Membership changed (a machine lost): stop persisting without a final step; what
+        is in storage and in memory stays.  The agent re-creates the tier afterwards."""
+        if self.rounds is not None:
+            self.rounds.stop()
+        if self.persister is not None:
+            self.persister.stop()
+
     def checkpoint_status(self) -> dict:
         if self.persister is None:
             return {"persisted_step": self._newest_durable(), "persisted_url": self.url}
