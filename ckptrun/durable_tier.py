@@ -101,15 +101,16 @@ class DurableTier:
             if self.rounds is not None:
                 (self.rounds.finish_follower if exit_code == 0 else self.rounds.stop)()
             return
-        if exit_code == 0 and self.memory is not None:
-            step = self.memory.common_step(self.ranks)
-            if step:
-                if self.rounds is not None:
-                    self.rounds.final_step = step
-                self.persister.final(step)
+        step = self.memory.common_step(self.ranks) if exit_code == 0 else None
         if self.rounds is not None:
-            self.rounds.close_leader()
-        self.persister.stop()
+            self.rounds.job_done(step)  # a round waiting for a step gives up first
+        try:
+            if step:
+                self.persister.final(step)
+        finally:
+            if self.rounds is not None:
+                self.rounds.close_leader()
+            self.persister.stop()
 
     def close(self) -> None:
         """Membership changed (a machine lost): stop persisting without a final step; what

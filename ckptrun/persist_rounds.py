@@ -5,9 +5,10 @@ its :class:`~ckptrun.persister.Persister` decides when a persist is due, and eac
 attempts is a *round* ``r`` in the rendezvous store:
 
 1. the leader posts ``want`` (the oldest acceptable step); every node posts the newest step
-   all its local ranks committed; the round's step ``S`` is the step *after* the newest any
+   all its local ranks committed; the round's step ``S`` lies a little after the newest any
    node posted (so no node can have overwritten it yet: workers keep only their newest
-   commits), or -1 when that is older than ``want``; the final round of a finished job
+   commits) -- far enough ahead that every node is watching its slots when it is committed --
+   or -1 when that is older than ``want``; the final round of a finished job
    takes the job's last step instead;
 2. every node waits until its ranks commit ``S``, copies it out of the worker slots (pinned)
    and writes it as its *part*
@@ -29,6 +30,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun import storage
+from ckptrun.protocol import SlotState
 
 log = logging.getLogger("ckptrun.persist")
 
@@ -47,6 +49,7 @@ class PersistRounds:
         self.round = 0
         self.final_step: Optional[int] = None  # set for the last round of a finished job
         self._stop = threading.Event()
+        self._done = threading.Event()  # the job ended: stop waiting for steps to appear
         self._thread: Optional[threading.Thread] = None
 
     # -- leader (node 0): the Persister's reader and writer ---------------------------------
@@ -57,7 +60,7 @@ class PersistRounds:
         self.store.set(k + "want", str(min_step))
         try:
             newest = self._agree(k, self._newest())
-            step = self.final_step if self.final_step is not None else newest + 1
+            step = self.final_step if self.final_step is not None else newest + self._lead()
             self.store.set(k + "step", str(step if step >= min_step else -1))
             if step < min_step:
                 return None
@@ -86,9 +89,18 @@ class PersistRounds:
         return {"bytes": index["bytes"], "seconds": time.monotonic() - t0,
                 "url": storage.step_url(url, step)}
 
+    def job_done(self, final_step: Optional[int]) -> None:
+        """The workers are gone: a round waiting for a step that will never be committed
+        gives up now; the final round (leader) persists ``final_step``."""
+        self.final_step = final_step
+        self._done.set()
+
     def close_leader(self) -> None:
         """After the leader's last round (the final persist): followers may stop."""
-        self.store.set(f"{KEY}closed", str(self.round))
+        try:
+            self.store.set(f"{KEY}closed", str(self.round))
+        finally:
+            self._stop.set()
 
     # -- followers (nodes 1..N-1) ----------------------------------------------------------
     def start_follower(self) -> None:
@@ -101,6 +113,7 @@ class PersistRounds:
 
     def finish_follower(self, timeout: float = 60.0) -> None:
         """At a successful end: keep answering until the leader's final round is over."""
+        self._done.set()
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline and not self.store.check([f"{KEY}closed"]):
@@ -160,6 +173,19 @@ class PersistRounds:
         self.store.set(k + f"newest/{self.node}", str(newest))
         return max(int(self._wait(k + f"newest/{g}")) for g in range(self.nnodes))
 
+    def _lead(self, seconds: float = 0.3) -> int:
+        """How many steps ahead of the newest the round's step lies: about ``seconds`` of
+        training (from the commit times in the slot headers), at least 2 -- the time every
+        node needs to learn the step and be watching its slots when it is committed."""
+        rates = []
+        for r in self.ranks:
+            done = sorted((h.step, h.commit_time) for h in self.memory.headers(r).values()
+                          if h.state == SlotState.COMMITTED)
+            if len(done) >= 2 and done[-1][0] > done[0][0]:
+                rates.append((done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0]))
+        interval = max(rates) if rates else 0.0
+        return max(2, min(1000, int(seconds / interval) + 1)) if interval > 0 else 2
+
     def _read_step(self, step: int) -> Dict[int, tuple]:
         """Private copies of every local rank's ``step``, as soon as it is committed (the
         slots are polled: a step stays in them only for the next couple of saves)."""
@@ -169,11 +195,20 @@ class PersistRounds:
             if all(step in h for h in held):
                 return {r: self.memory.read(r, step) for r in self.ranks}
             if any(h and min(h) > step for h in held) or time.monotonic() > deadline \
-                    or self._stop.is_set():
+                    or self._stop.is_set() or self._done.is_set():
                 raise KeyError(f"step {step} is not (or no longer) in this node's memory")
             time.sleep(0.002)
 
     def _wait(self, key: str) -> str:
-        self.store.wait([key], timedelta(seconds=WAIT_S))
+        """The value of ``key`` once some node set it.  Waits in short slices: a thread
+        must never sit in a long store call when the agent exits."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=0.5))
+                break
+            except Exception:  # noqa: BLE001 -- torch raises its own timeout error types
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    raise
         raw = self.store.get(key)
         return raw.decode() if isinstance(raw, bytes) else raw

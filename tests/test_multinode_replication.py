@@ -120,7 +120,7 @@ def test_durable_steps_are_written_by_every_machine(tmp_path, reference):
     persist = str(tmp_path / "durable")
     out = str(tmp_path / "final.pt")
     args = ("--persist-to", persist, "--persist-every", "5")
-    results, dirs = two_machines(tmp_path, out, "--step-time", "0.05", agent_args=args)
+    results, dirs = two_machines(tmp_path, out, "--step-time", "0.1", agent_args=args)
     assert [rc for rc, _ in results] == [0, 0], [err[-2000:] for _, err in results]
     from ckptrun import storage
 
