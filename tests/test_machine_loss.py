@@ -118,10 +118,10 @@ def reference(tmp_path_factory):
     return torch.load(str(d / "final.pt"), weights_only=True)
 
 
-def lose_and_replace(tmp_path, extra_args, victim_step: int = 10):
+def lose_and_replace(tmp_path, extra_args, victim_step: int = 10, persisted: bool = False):
     """Machines A (store host) and B; B is SIGKILLed after ``victim_step``; C, with B's
     command, replaces it.  Returns (A, C, seconds from the loss to A's first step after its
-    restore, B's group rank)."""
+    restore, B's group rank).  ``persisted``: also wait for a durable step before the loss."""
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
@@ -133,7 +133,8 @@ def lose_and_replace(tmp_path, extra_args, victim_step: int = 10):
         wait_until(lambda: listening(port), 60, "the store host", [a])  # A hosts the store
         b = machine(tmp_path, "b", common, out)
         wait_until(lambda: any(w.get("step", 0) >= victim_step
-                               for w in status(b.run_dir).get("workers", [])),
+                               for w in status(b.run_dir).get("workers", []))
+                   and (not persisted or of(a.run_dir, "persisted")),
                    120, f"machine B at step {victim_step}", [a, b])
         lost_node = status(b.run_dir)["node"]
         t_loss = time.monotonic()
@@ -175,5 +176,26 @@ def test_machine_lost_replacement_restores_from_peer(tmp_path, reference):
     assert 0 <= steps_lost <= 3
     got = torch.load(str(tmp_path / "final.pt"), weights_only=True)
     assert got.keys() == reference.keys()
+    for k in got:
+        assert torch.equal(got[k], reference[k]), k
+
+
+def test_placement_group_lost_everyone_restores_from_storage(tmp_path, reference):
+    """No peer copies (--replicas 1: every machine is its own placement group): losing a
+    machine loses its group, and every node restores the same durable step."""
+    store = tmp_path / "durable"
+    a, c, recovery_s, lost_node = lose_and_replace(
+        tmp_path, ["--replicas", "1", "--persist-every", "5", "--persist-to", str(store)],
+        persisted=True)
+    lost = of(a.run_dir, "node_lost")
+    assert [e["node"] for e in lost] == [lost_node]
+    ra, rc = of(a.run_dir, "restored"), of(c.run_dir, "restored")
+    assert ra[-1]["tier"] == "storage" and rc[-1]["tier"] == "storage", (ra, rc)
+    assert ra[-1]["step"] == rc[-1]["step"] > 0
+    steps_lost = lost[0]["step"] - ra[-1]["step"]
+    print(f"\nplacement group lost -> first step after restore: {recovery_s:.2f}s "
+          f"(detection {lost[0]['seconds_silent']:.2f}s), steps lost: {steps_lost} "
+          f"(restored durable step {ra[-1]['step']})")
+    got = torch.load(str(tmp_path / "final.pt"), weights_only=True)
     for k in got:
         assert torch.equal(got[k], reference[k]), k
