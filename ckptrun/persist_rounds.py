@@ -38,6 +38,10 @@ KEY = "ckptrun/persist/"
 WAIT_S = 120.0  # a round in which some node does not answer for this long fails
 
 
+class JobEnded(Exception):
+    """The round's step will never be committed: the workers finished first."""
+
+
 class PersistRounds:
     """One node's side of the rounds (see the module docstring)."""
 
@@ -65,6 +69,9 @@ class PersistRounds:
             if step < min_step:
                 return None
             return step, self._read_step(step)
+        except JobEnded:
+            self.store.set(k + "done", "skip")  # not a failure: the final round follows
+            return None
         except Exception as e:
             self.store.set(k + "done", f"error: {type(e).__name__}: {e}")  # never leave a
             raise  # follower waiting for a round that will not finish
@@ -154,6 +161,8 @@ class PersistRounds:
         except Exception as e:  # noqa: BLE001
             self.store.set(k + f"part/{self.node}", f"error: {type(e).__name__}: {e}")
         done = self._wait(k + "done")
+        if done == "skip":
+            return
         if done == "ok":
             self.emit("persisted", step=step, url=storage.step_url(self.url, step),
                       bytes=int(part["bytes"]) if part else 0,
@@ -194,8 +203,10 @@ class PersistRounds:
             held = [self.memory.steps(r) for r in self.ranks]
             if all(step in h for h in held):
                 return {r: self.memory.read(r, step) for r in self.ranks}
+            if self._done.is_set():
+                raise JobEnded(f"the job ended before step {step}")
             if any(h and min(h) > step for h in held) or time.monotonic() > deadline \
-                    or self._stop.is_set() or self._done.is_set():
+                    or self._stop.is_set():
                 raise KeyError(f"step {step} is not (or no longer) in this node's memory")
             time.sleep(0.002)
 
