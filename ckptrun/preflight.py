@@ -52,7 +52,43 @@ def check_environment(cfg: AgentConfig) -> None:
     _check_writable(cfg.run_dir, "--run-dir")
     if cfg.resume_from:
         _check_exists(cfg.resume_from)
+        _check_is_checkpoint(cfg.resume_from)
+    _check_shm_room(cfg)
     _check_persist_to(cfg.persist_to)  # last: storage's probe creates the directory
+
+
+def _check_is_checkpoint(url: str) -> None:
+    from ckptrun import storage
+
+    if not storage.is_checkpoint(url):
+        raise UsageError(f"--resume-from {url} is not a ckptrun checkpoint "
+                         "(no step-<N>/ with a ckptrun.json)")
+
+
+def _check_shm_room(cfg: AgentConfig) -> None:
+    """When the state's size is known before the start (``--resume-from``, or a durable step
+    of this run), refuse a /dev/shm too small for this node's snapshot slots: Docker's 64 MB
+    default otherwise kills workers with SIGBUS mid-run (DLRover's failure)."""
+    from ckptrun import storage
+
+    try:
+        url, _ = storage.resolve(cfg.resume_from or cfg.persist_to)
+        index = storage.read_index(url, None)
+    except Exception:  # noqa: BLE001 -- nothing durable yet: the first save checks instead
+        return
+    if not index:
+        return
+    per_rank = max((sum(int(e.get("length") or 0) for e in r["tensors"])
+                    for r in index["ranks"].values()), default=0)
+    need = per_rank * cfg.nproc_per_node * cfg.num_slots
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise UsageError(
+            f"{SHM_DIR} has {free / 2**20:.0f} MiB free but this job's snapshots need about "
+            f"{need / 2**20:.0f} MiB ({cfg.nproc_per_node} ranks x {cfg.num_slots} slots x "
+            f"{per_rank / 2**20:.0f} MiB, from {url}); enlarge it (docker run --shm-size, or a "
+            "Kubernetes emptyDir with medium: Memory)")
 
 
 def _port_free(port: int) -> bool:

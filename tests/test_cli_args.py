@@ -261,10 +261,41 @@ def test_persist_to(tmp_path):
     assert "--persist-to" in _error(["--persist-to", str(tmp_path / "afile" / "sub"), "train.py"])
 
 
+def _durable_step(root, nbytes: int = 4096) -> None:
+    import torch
+
+    from ckptrun import storage
+
+    meta = {"format": 1, "step": 3, "rank": 0, "world_size": 1, "tree": None,
+            "tensors": [{"path": "w", "dtype": "uint8", "shape": [nbytes], "offset": 0,
+                         "nbytes": nbytes}]}
+    storage.write_step(str(root), 3, {0: (meta, [torch.zeros(nbytes, dtype=torch.uint8)])}, 1)
+
+
 def test_resume_from(tmp_path):
     assert "does not exist" in _error(["--resume-from", str(tmp_path / "none"), "train.py"])
     (tmp_path / "old").mkdir()
-    assert parse(["--resume-from", "old", "train.py"]).resume_from == str(tmp_path / "old")
+    assert "not a ckptrun checkpoint" in _error(["--resume-from", "old", "train.py"])
+    _durable_step(tmp_path / "ck")
+    assert parse(["--resume-from", "ck", "train.py"]).resume_from == str(tmp_path / "ck")
+    assert parse(["--resume-from", "ck/step-3", "train.py"]).resume_from
+
+
+def test_shm_too_small_for_the_known_state(tmp_path, monkeypatch):
+    import os
+
+    _durable_step(tmp_path / "ck", nbytes=1 << 20)
+    real = os.statvfs
+
+    class Tiny:  # a Docker-sized /dev/shm: 2 MiB free
+        f_bavail, f_frsize = 512, 4096
+
+    monkeypatch.setattr("ckptrun.preflight.os.statvfs",
+                        lambda p: Tiny() if p == "/dev/shm" else real(p))
+    msg = _error(["--nproc-per-node", "2", "--resume-from", "ck", "train.py"])
+    assert "/dev/shm has 2 MiB free" in msg and "shm-size" in msg
+    monkeypatch.setattr("ckptrun.preflight.os.statvfs", real)
+    parse(["--nproc-per-node", "2", "--resume-from", "ck", "train.py"])
 
 
 def test_shm_missing(tmp_path, monkeypatch):
