@@ -126,3 +126,22 @@ def test_agent_killed_then_rerun_resumes_from_storage(tmp_path, reference):
     assert 5 <= restored[-1]["step"] <= 17
     assert_bitwise_equal(load(out), reference)
     no_shm_left(run_dir)
+
+
+def test_resume_from_a_durable_checkpoint_in_a_new_run(tmp_path, reference):
+    """A 15-step job persists its final step; a new job (own run dir) started with
+    --resume-from continues it to 30 steps and ends bitwise equal to one 30-step run."""
+    durable = str(tmp_path / "durable")
+    cmd = [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+           "--run-dir", str(tmp_path / "first"), "--persist-to", durable, SCRIPT,
+           "--steps", "15"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = str(tmp_path / "second")
+    proc = run_job(run_dir, str(tmp_path / "final.pt"),
+                   ckptrun_args=["--resume-from", durable + "/step-15"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restored = of(events(run_dir), "restored")
+    assert restored and restored[0] == {**restored[0], "tier": "storage", "step": 15}
+    assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
+    no_shm_left(run_dir)
