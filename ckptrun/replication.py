@@ -45,6 +45,16 @@ class AuthError(ConnectionError):
 
 # --------------------------------------------------------------------------- framing
 
+def tune_socket(sock: socket.socket) -> None:
+    """No Nagle delay for the small frames; large kernel buffers for the bulk stream."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 8 << 20)
+        except OSError:
+            pass  # capped by net.core.[rw]mem_max: the kernel default still works
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf))
@@ -110,7 +120,7 @@ def client_handshake(sock: socket.socket, secret: bytes, node: str) -> None:
 
 def connect(addr: Tuple[str, int], secret: bytes, node: str, timeout: float = 10.0) -> socket.socket:
     sock = socket.create_connection(addr, timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune_socket(sock)
     try:
         client_handshake(sock, secret, node)
     except BaseException:
@@ -177,7 +187,7 @@ def prepare_slot_file(path: str, meta_len: int, data_len: int) -> mmap.mmap:
     data_offset = P.data_offset_for(max(meta_len, P.PAGE))
     size = data_offset + data_len
     if os.path.exists(path) and os.path.getsize(path) >= size:
-        mm = P.open_shm_file(path)  # reuse: its pages are already faulted in
+        mm = P.open_shm_file(path, populate=True)  # reuse: map every page now, not per fault
     else:
         if os.path.exists(path):
             os.unlink(path)
@@ -225,7 +235,7 @@ def copy_slot_file(src_path: str, dst_path: str) -> Optional[int]:
     Returns the step, or None if the source was not committed, changed during the copy, or
     does not match its checksum (a corrupted copy is never committed).
     """
-    src = P.open_shm_file(src_path, write=False)
+    src = P.open_shm_file(src_path, populate=True, write=False)
     regions: list = []
     try:
         h, regions = slot_regions(src)

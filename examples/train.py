@@ -97,6 +97,9 @@ def main() -> None:
     if args.out and rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
     if distributed:
+        # gloo can abort in its teardown when one rank destroys the group while another is
+        # still in flight (seen with plain torchrun too): meet first
+        dist.barrier()
         dist.destroy_process_group()
 
 
