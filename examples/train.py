@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
     p.add_argument("--out", default="")
+    p.add_argument("--ballast-mib", type=int, default=0,
+                   help="extra state (MiB) so that each snapshot takes a while to copy")
     args = p.parse_args()
 
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
@@ -75,7 +77,11 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=20, gamma=0.5)
     torch.manual_seed(1 + rank)  # per-rank dropout stream; captured in every snapshot
 
-    ckpt = ckptrun.Checkpointer({"model": model, "optim": optim, "sched": sched})
+    state = {"model": model, "optim": optim, "sched": sched}
+    ballast = torch.zeros(args.ballast_mib << 18)  # float32: 4 bytes an element
+    if args.ballast_mib:
+        state["ballast"] = ballast
+    ckpt = ckptrun.Checkpointer(state)
     start = ckpt.restore()
     if start:
         print(f"[demo] rank {rank}: resumed at step {start}", flush=True)
@@ -86,6 +92,7 @@ def main() -> None:
         loss.backward()
         optim.step()
         sched.step()
+        ballast.add_(1.0)
         ckpt.save(step + 1)
         if rank == 0 and (step + 1) % 10 == 0:
             print(f"[demo] step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
