@@ -93,21 +93,6 @@ class _FitState:
         self.data.update(sd["data"])
 
 
-class _DeferredRNG:
-    def __init__(self) -> None:
-        self.pending: Optional[Dict[str, Any]] = None
-
-    def state_dict(self) -> Dict[str, Any]:
-        return S.capture_rng()
-
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.pending = sd
-
-    def apply(self) -> None:
-        if self.pending is not None:
-            S.restore_rng(self.pending)
-            self.pending = None
-
 
 class CkptrunCallback(Callback):
     """Snapshot the fit every ``every_n_steps`` optimizer steps; restore it at fit start.
@@ -121,7 +106,7 @@ class CkptrunCallback(Callback):
         self.ckpt: Optional[ckptrun.Checkpointer] = None
         self.restored_step = 0
         self._data = {"epoch": 0, "batches": 0}
-        self._rng = _DeferredRNG()
+        self._rng = S.DeferredRNG()
         self._last = -1
         self._skip: Optional[tuple] = None  # (batch sampler, original sampler) while skipping
 

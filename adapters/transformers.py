@@ -31,24 +31,6 @@ import ckptrun
 from ckptrun import snapshot as S
 
 
-class _DeferredRNG:
-    """The global RNG states: captured at save, applied when :meth:`apply` is called."""
-
-    def __init__(self) -> None:
-        self.pending: Optional[Dict[str, Any]] = None
-
-    def state_dict(self) -> Dict[str, Any]:
-        return S.capture_rng()
-
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.pending = sd
-
-    def apply(self) -> None:
-        if self.pending is not None:
-            S.restore_rng(self.pending)
-            self.pending = None
-
-
 class _TrainerStateDict:
     """``TrainerState`` as plain data (its own JSON form), loaded back field by field into the
     live object the Trainer holds."""
@@ -77,7 +59,7 @@ class CkptrunCallback(TrainerCallback):
         self.persist_every = persist_every
         self.ckpt: Optional[ckptrun.Checkpointer] = None
         self.restored_step = 0
-        self._rng = _DeferredRNG()
+        self._rng = S.DeferredRNG()
         self._loader: Any = None
         self._skip = 0  # batches still to skip (over epochs) after a restore
         self._epoch = -1

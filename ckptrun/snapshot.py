@@ -334,6 +334,26 @@ def restore_rng(rng: Dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- meta
 
 
+class DeferredRNG:
+    """The global RNG states as a state item whose restore is applied later, at a moment the
+    caller picks (framework adapters: after the framework seeded its own workers/loaders)."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[Dict[str, Any]] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return capture_rng()
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.pending = sd
+
+    def apply(self) -> None:
+        """Restore the states loaded last, once."""
+        if self.pending is not None:
+            restore_rng(self.pending)
+            self.pending = None
+
+
 def make_meta(step: int, rank: int, world_size: int, tree: Any,
               items: List[Tuple[str, torch.Tensor]], offsets: List[int],
               shards: Optional[Dict[int, Dict[str, Any]]] = None) -> Dict[str, Any]:
