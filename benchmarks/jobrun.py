@@ -103,17 +103,24 @@ def shm_leftovers(events: List[dict]) -> List[str]:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, the process group of a launch we started ourselves."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM, then SIGKILL, the process group of a launch we started ourselves.
+
+    The SIGKILL goes to the group even when the launcher itself exited on the SIGTERM: a
+    launcher that orphans its workers (torchrun does) leaves a SIGSTOPped worker behind,
+    which never acts on a SIGTERM."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10.0)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def launch(spec: Launch, work: str, timeout_s: float,
