@@ -16,14 +16,22 @@ IGNORED = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
 
 def dumps(out: str) -> dict:
-    """{rank: (env, argv)} from the ENVDUMP/ARGV lines of every worker."""
+    """{rank: (env, argv)} from the ENVDUMP/ARGV records of every worker.
+
+    Records are found anywhere in the output, not per line: under torchrun the workers
+    share the launcher's stdout unbuffered (``python -u``), so one worker's line and the
+    other's newline can interleave."""
+    decoder = json.JSONDecoder()
     envs, argvs = {}, []
-    for line in out.splitlines():
-        if "ENVDUMP " in line:
-            env = json.loads(line.split("ENVDUMP ", 1)[1])
-            envs[int(env["RANK"])] = env
-        elif "ARGV " in line:
-            argvs.append(json.loads(line.split("ARGV ", 1)[1]))
+    for tag, sink in (("ENVDUMP ", None), ("ARGV ", argvs)):
+        pos = out.find(tag)
+        while pos >= 0:
+            obj, end = decoder.raw_decode(out, pos + len(tag))
+            if sink is None:
+                envs[int(obj["RANK"])] = obj
+            else:
+                sink.append(obj)
+            pos = out.find(tag, end)
     return {r: (e, argvs) for r, e in envs.items()}
 
 
