@@ -34,6 +34,15 @@ def _plain_ticks():
     return FuncFormatter(lambda v, _pos: f"{v:g}")
 
 
+def _save(plt, fig, ax, path: str) -> str:
+    """Legend, layout, write the PNG, free the figure."""
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_stall(results: Dict, path: str) -> Optional[str]:
     rows = [r for r in results["sections"].get("stall", {}).get("rows", []) if "median_s" in r]
     if not rows:
@@ -54,11 +63,7 @@ def plot_stall(results: Dict, path: str) -> Optional[str]:
     ax.set_ylabel("time one save blocks training (ms)")
     ax.set_title("Checkpoint stall vs state size (median, min–max)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def plot_goodput(results: Dict, path: str) -> Optional[str]:
@@ -81,11 +86,7 @@ def plot_goodput(results: Dict, path: str) -> Optional[str]:
     ax.set_ylabel("effective training time (%)")
     ax.set_title("Projected effective training time vs cluster size (GEMINI model)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def plot_recovery(results: Dict, path: str) -> Optional[str]:
@@ -105,12 +106,8 @@ def plot_recovery(results: Dict, path: str) -> Optional[str]:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median; bars: min–max)")
     ax.set_title("Time lost per failure")
-    ax.legend(fontsize=8)
     ax.tick_params(axis="y", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def write_plots(results: Dict, out_dir: str) -> List[str]:
