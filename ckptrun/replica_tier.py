@@ -80,6 +80,7 @@ class ReplicaTier:
                         if h != self.node]
         self.rate = _rate_bps()
         self.replicated_step: Optional[int] = None
+        self.rate_mb_s: Optional[float] = None  # throughput of the last complete round
         self._last_event: Dict[int, float] = {}
         self._stop = threading.Event()
         self._busy = threading.Lock()  # a round and a restore never touch slots together
@@ -108,8 +109,8 @@ class ReplicaTier:
         self.server.stop()
 
     def checkpoint_status(self) -> dict:
-        return {"peer_step": self.replicated_step,
-                "replica_peers": self.peers, "replica_holders": self.holders}
+        return {"peer_step": self.replicated_step, "replica_peers": self.peers,
+                "replica_holders": self.holders, "replication_mb_s": self.rate_mb_s}
 
     def restore_step(self, ranks: List[int], attempt: int,
                      max_step: Optional[int]) -> Optional[Tuple[int, str]]:
@@ -202,6 +203,8 @@ class ReplicaTier:
                 sent[peer] = sent.get(peer, 0) + res["bytes"]
         self.replicated_step = step
         now = time.monotonic()
+        if sent and now > t0:
+            self.rate_mb_s = round(sum(sent.values()) / (now - t0) / 1e6, 1)
         for peer, nbytes in sent.items():
             if now - self._last_event.get(peer, 0.0) >= EVENT_EVERY_S:
                 self._last_event[peer] = now

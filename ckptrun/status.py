@@ -140,6 +140,15 @@ def _fmt(value: Any, none: str = "-") -> str:
     return none if value is None else str(value)
 
 
+def _peer_where(ck: dict) -> str:
+    """Which machines hold this machine's copies, and how fast the last round went."""
+    holders = ck.get("replica_holders")
+    where = (f"CPU memory of node(s) {', '.join(str(h) for h in holders)}" if holders
+             else "other nodes' CPU memory")
+    rate = ck.get("replication_mb_s")
+    return f"{where}, last round {rate:.0f} MB/s" if rate else where
+
+
 def _age(value: Any) -> str:
     return f"{value:.1f}s" if isinstance(value, (int, float)) else "-"
 
@@ -192,9 +201,9 @@ def render(st: Dict[str, Any]):
     tiers = Table(title="checkpoint", title_justify="left")
     tiers.add_column("tier")
     tiers.add_column("step", justify="right")
-    tiers.add_column("where")
+    tiers.add_column("where", overflow="fold")  # a URL is copied by users: never elide it
     tiers.add_row("memory", _fmt(ck.get("memory_step")), "local CPU memory (/dev/shm)")
-    tiers.add_row("peer", _fmt(ck.get("peer_step")), "other nodes' CPU memory")
+    tiers.add_row("peer", _fmt(ck.get("peer_step")), _peer_where(ck))
     tiers.add_row("storage", _fmt(ck.get("persisted_step")),
                   _fmt(ck.get("persisted_url") or st.get("persist_to")))
     parts.append(tiers)

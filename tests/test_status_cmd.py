@@ -137,6 +137,16 @@ def test_table(tmp_path):
         assert text in out, text
 
 
+def test_table_shows_where_peer_copies_live(tmp_path):
+    ck = {"memory_step": 41, "peer_step": 40, "persisted_step": 30,
+          "persisted_url": "/tmp/ck/step-30", "replica_peers": [1], "replica_holders": [1],
+          "replication_mb_s": 812.5}
+    run = _make_run(tmp_path / "r", _status(checkpoint=ck))
+    result = CliRunner().invoke(status_command, ["--run-dir", run])
+    assert result.exit_code == 0, result.output
+    assert "node(s) 1" in result.output and "812 MB/s" in result.output
+
+
 def test_watch_returns_when_job_is_over(tmp_path):
     run = _make_run(tmp_path / "r", _status("failed", agent_pid=_dead_pid()))
     result = CliRunner().invoke(status_command, ["--run-dir", run, "--watch", "--interval", "0.1"])
