@@ -219,6 +219,13 @@ class NodeMemory:
             tensors = [v.clone() for v in views]
         return meta, tensors
 
+    def newest_committed(self, ranks: Sequence[int]) -> Optional[int]:
+        """Newest step every one of ``ranks`` has committed (headers only: cheap to poll;
+        nothing is verified -- :meth:`common_step` does that)."""
+        per_rank = [set(self.steps(r)) for r in ranks]
+        common = set.intersection(*per_rank) if per_rank else set()
+        return max(common) if common else None
+
     def read_common(self, min_step: int = 0, ranks: Optional[Sequence[int]] = None
                     ) -> Optional[Tuple[int, Dict[int, Snapshot]]]:
         """The persister's reader: ``(step, {rank: (meta, tensors)})`` for the newest step all
@@ -231,11 +238,9 @@ class NodeMemory:
         ranks = self.ranks() if ranks is None else list(ranks)
         if not ranks:
             return None
-        per_rank = [self.steps(r) for r in ranks]
-        common = set(per_rank[0]).intersection(*per_rank[1:])
-        if not common or max(common) < min_step:
+        step = self.newest_committed(ranks)
+        if step is None or step < min_step:
             return None
-        step = max(common)
         out: Dict[int, Snapshot] = {}
         for r in ranks:
             meta, tensors = self.read(r, step)

@@ -173,9 +173,8 @@ class PersistRounds:
     # -- shared ----------------------------------------------------------------------------
     def _newest(self) -> int:
         """Newest step every local rank committed (headers only), -1 if none."""
-        steps = [set(self.memory.steps(r)) for r in self.ranks]
-        common = set.intersection(*steps) if steps else set()
-        return max(common) if common else -1
+        step = self.memory.newest_committed(self.ranks)
+        return -1 if step is None else step
 
     def _agree(self, k: str, newest: int) -> int:
         """Post this node's newest step; returns the newest any node posted."""

@@ -152,11 +152,7 @@ class ReplicaTier:
 
     def _newest_local(self) -> Optional[int]:
         """Newest step every local rank has committed (headers only: cheap)."""
-        if self.memory is None:
-            return None
-        steps = [set(self.memory.steps(r)) for r in self.ranks]
-        common = set.intersection(*steps) if steps else set()
-        return max(common) if common else None
+        return None if self.memory is None else self.memory.newest_committed(self.ranks)
 
     def _agree(self, rnd: str, newest: int) -> Optional[int]:
         """Every node posts its newest step for round ``rnd``; the round's step is the min.
