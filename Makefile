@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint bench bench-quick clean
+.PHONY: demo test test-fast test-services lint bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,19 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed test-services
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its
+# own server on loopback ports).  Best effort: without root or apt the test is skipped.  The
+# package's system service is stopped again so that nothing is left listening on 2379.
+test-services:
+	@command -v etcd >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && { apt-get install -y -qq etcd-server >/dev/null 2>&1 \
+	       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq etcd-server >/dev/null 2>&1; }; } \
+	  && { systemctl disable --now etcd >/dev/null 2>&1 || true; }; } \
+	  || echo "note: etcd is not installed; tests/test_etcd_machine_loss.py will be skipped"
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -76,7 +76,13 @@ class Rendezvous:
             backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=cfg.min_nodes,
             max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **configs,
         )
-        self.handler = rdzv_registry.get_rendezvous_handler(params)
+        if backend == "etcd-v2":
+            # torch's etcd store lacks compare_set, which the job epoch needs.
+            from ckptrun.etcd_store import create_etcd_v2_handler
+
+            self.handler = create_etcd_v2_handler(params)
+        else:
+            self.handler = rdzv_registry.get_rendezvous_handler(params)
         self._static_master = None
         if backend == "static":
             host, _, port = endpoint.rpartition(":")
