@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 # Imported in this order by ``python -m benchmarks``; later sections may use earlier rows.
 SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.replication",
-                   "benchmarks.recovery", "benchmarks.quoted", "benchmarks.overhead",
+                   "benchmarks.recovery", "benchmarks.machine_loss", "benchmarks.quoted",
+                   "benchmarks.overhead", "benchmarks.replication_overhead",
                    "benchmarks.goodput"]
 
 Row = Dict[str, object]

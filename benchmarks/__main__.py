@@ -62,6 +62,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     "before the failure (default 2; ckptrun's warm spares must be up too)")
     ap.add_argument("--hang-observe-s", type=float, help="recovery: how long to watch torchrun "
                     "with a hung rank (default 3 quick, 30 full)")
+    ap.add_argument("--machine-loss-cases", help="machine_loss: STATE_MiB@STEP_S list (default "
+                    "64@0.15 quick; 64@0.15,256@0.5,64@0 full)")
     ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
     ap.add_argument("--plots", metavar="DIR", nargs="?", const="docs",
                     help="write PNG plots (needs matplotlib) into DIR (default docs)")
@@ -101,7 +103,8 @@ def run(argv: Optional[List[str]] = None) -> dict:
                            "replication_rate": args.replication_rate,
                            "launch_reps": args.launch_reps, "fail_after_s": args.fail_after_s,
                            "hang_observe_s": args.hang_observe_s,
-                           "overhead_steps": args.overhead_steps})
+                           "overhead_steps": args.overhead_steps,
+                           "machine_loss_cases": args.machine_loss_cases})
     started = time.monotonic()
     results: dict = {"meta": {
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

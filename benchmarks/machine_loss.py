@@ -1,94 +1,236 @@
-"""Machine memory loss -> restored from a peer's copy (two agents on localhost).
+"""Machine loss: a whole machine dies and a replacement running the same command takes over.
 
-Two ``ckptrun`` agents, one per "machine" (``--nnodes 2 --nproc-per-node 1``, c10d
-rendezvous on 127.0.0.1, ``--replicas 2``), run the recovery job.  The failing rank first
-makes every snapshot its machine holds unusable (its own slots and the peer copies its
-agent keeps: checksums fail), then SIGKILLs itself: only the other machine's copy of its
-state is left, so the restore must come from peer memory.  The agent of the "lost"
-machine survives: a replacement agent joining the job is not what this measures.
+Two machines (``benchmarks/machines.py``: two ckptrun agents on localhost, one rank each,
+``--replicas 2``; with root, each in its own mount namespace with a private ``/dev/shm``)
+run ``benchmarks/jobs/recovery_job.py`` with ``--step-time`` padding every step (a GPU-bound
+step: the CPU waits, the snapshot copy and replication overlap it).  Once both train, have
+replicated and the survivor's warm spares are up, the harness powers machine 1 off: SIGKILL
+to every process of it at once (agent, workers, spares, reaper), so every byte of memory it
+held is gone.  It then starts a replacement machine with the same command line (its own run
+directory: a new machine has its own disk), which joins the rendezvous and pulls the lost
+rank's snapshot from the survivor's memory.
+
+Per run: ``failure → first step`` until *every* rank completed a step after the restore;
+``steps lost`` = last step every rank completed before the failure − step restored; which
+tier served each rank (the agents' ``restored`` events); the replication lag when the
+machine died (its newest step − the newest step of it the survivor held) and the last
+round's duration, next to the step time -- a round longer than a step means snapshots get
+across only every few steps, which is what steps lost then shows.  The loss is detected
+when the survivor stops seeing the lost agent's heartbeat in the store
+(``CKPTRUN_NODE_TIMEOUT``, default 5 s): "detection" is part of the recovery time.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
+import statistics
 import tempfile
 import time
-import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
-from benchmarks.jobrun import JOB, ROOT, Outcome, kill_group, read_events, read_logs, shm_leftovers
+from benchmarks import Context, Row, section
+from benchmarks.jobrun import read_logs
+from benchmarks.machines import Machine, namespace_problem, replacement, start_job
 
+TARGET = "restored from peer memory, 0 steps lost"
+COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
+           ("bytes", "state/rank", "bytes"),
+           ("step_s", "step time", "s"), ("round_s", "replication round", "s"),
+           ("lag_steps", "lag at failure (steps)", "float"),
+           ("median_s", "failure → first step (median)", "s"), ("min_s", "min", "s"),
+           ("max_s", "max", "s"), ("detect_s", "failure → loss detected", "s"),
+           ("steps_lost", "steps lost (median)", "float"),
+           ("steps_lost_range", "steps lost min–max", "str"), ("tiers", "tier per rank", "str"),
+           ("target", "target (DESIGN §6)", "str"), ("met", "met", "str"),
+           ("reps", "reps", "int"), ("note", "note", "str")]
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch_two(job_args: List[str], work: str, timeout_s: float, trigger) -> Outcome:
-    """Start both agents, call ``trigger(log_dir)`` every 0.1 s, wait for both."""
-    log_dir = os.path.join(work, "steps")
-    os.makedirs(log_dir, exist_ok=True)
-    port, rdzv = _free_port(), uuid.uuid4().hex[:8]
-    procs, files = [], []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "ckptrun.cli", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", rdzv, "--max-restarts", "1", "--replicas", "2",
-               "--run-dir", os.path.join(work, f"node{node}"), JOB, "--log-dir", log_dir,
-               *job_args]
-        f = open(os.path.join(work, f"node{node}.log"), "w")
-        files.append(f)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                      env=dict(os.environ, PYTHONPATH=ROOT,
-                                               CKPTRUN_SPARE_DELAY="0"),
-                                      start_new_session=True))
-    t0 = time.monotonic()
-    timed_out = False
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() - t0 > timeout_s:
-            timed_out = True
-            break
-        trigger(log_dir)
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            kill_group(p)
-    for f in files:
-        f.close()
-    events: List[dict] = []
-    left: List[str] = []
-    for node in range(2):
-        evs = read_events(os.path.join(work, f"node{node}"))
-        events += [dict(e, node=node) for e in evs]
-        left += shm_leftovers(evs)
-    for path in left:
-        os.unlink(path)
-    with open(os.path.join(work, "node1.log"), errors="replace") as f:
-        tail = f.read()[-2000:]
-    rc = max((p.returncode or 0) for p in procs)
-    return Outcome(rc, time.monotonic() - t0, read_logs(log_dir), events,
-                   [os.path.basename(p) for p in left], timed_out, tail)
+# (state MiB per rank, padded step time s): replicating a step must fit in a step time
+QUICK_CASES = [(64, 0.15)]
+FULL_CASES = [(64, 0.15), (256, 0.5), (64, 0.0)]
 
 
-def run_once(mb: int, root: str, trigger_cls, measure) -> Dict[str, object]:
-    """One two-machine run; a sample like the recovery section's, plus tiers per node."""
+def _cases(ctx: Context) -> List[Tuple[int, float]]:
+    opt = ctx.options.get("machine_loss_cases")
+    if opt:
+        return [(int(mb), float(st)) for mb, st in
+                (c.split("@") for c in str(opt).split(","))]  # "64@0.15,256@0.5"
+    return QUICK_CASES if ctx.quick else FULL_CASES
+
+
+def _node_steps(m: Machine) -> Tuple[int, Optional[int]]:
+    """(newest step of the machine's worker, newest step of it replicated) from status."""
+    st = m.status()
+    steps = [w.get("step") or 0 for w in st.get("workers", [])]
+    return (min(steps) if steps else 0), st.get("checkpoint", {}).get("peer_step")
+
+
+def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
+           max_wait_s: float) -> bool:
+    """Both machines trained ``min_train_s``, replicated at least once, and the survivor's
+    warm spares are up (or ``max_wait_s`` passed: the sample says so)."""
+    from benchmarks.recovery import spares_warm
+
+    if since is None or time.monotonic() - since < min_train_s:
+        return False
+    if any(_node_steps(m)[1] is None for m in machines):
+        return time.monotonic() - since > max_wait_s
+    return spares_warm(machines[0].run_dir, 1) or time.monotonic() - since > max_wait_s
+
+
+def run_once(mb: int, step_s: float, root: str, private_shm: bool,
+             min_train_s: float = 3.0, max_wait_s: float = 60.0) -> Dict[str, object]:
+    """One machine loss; a sample dict (``error`` says why there is none)."""
     work = tempfile.mkdtemp(prefix="machine-", dir=root)
+    job = ["--ckpt", "ckptrun", "--state-mb", str(mb), "--steps", "1000000",
+           "--step-time", str(step_s)]
+    env = {"CKPTRUN_SPARE_DELAY": "0"}
+    machines: List[Machine] = []
     try:
-        trigger = trigger_cls(work, "two-agents", 2.0, 60.0)
-        job = ["--ckpt", "ckptrun", "--state-mb", str(mb), "--kill-at", "25", "--wipe",
-               "--fail-file", os.path.join(work, "fail")]
-        out = launch_two(job, work, 150.0, trigger)
-        sample = measure(out, False)
-        wiped = out.records("wiped", attempt=0)
-        sample["wiped_files"] = wiped[0]["files"] if wiped else 0
-        sample["tiers"] = {e["node"]: e.get("tier") for e in out.events
-                           if e.get("event") == "restored"}
-        sample["spares_warm"] = trigger.warm
+        machines = start_job(work, 2, ["--max-restarts", "3", "--replicas", "2"], job, env,
+                             private_shm, names=["survivor", "lost"])
+        if len(machines) < 2:
+            return {"error": f"the store host did not start: {machines[0].tail(400)}"}
+        survivor, lost = machines
+        since, deadline = None, time.monotonic() + 240.0
+        rounds: List[float] = []
+        while not _ready(machines, since, min_train_s, max_wait_s):
+            if time.monotonic() > deadline or not all(m.alive() for m in machines):
+                return {"error": "the job did not get going: " + lost.tail(400)}
+            if since is None and os.path.exists(os.path.join(work, "steps",
+                                                             "rank0-attempt0.jsonl")):
+                since = time.monotonic()
+            r = lost.status().get("checkpoint", {}).get("replication_round_s")
+            if r is not None and (not rounds or rounds[-1] != r):
+                rounds.append(float(r))
+            time.sleep(0.1)
+        newest, held = _node_steps(lost)
+        lost_node = lost.status().get("node")
+        t_fail = lost.power_off()
+        fresh = replacement(lost, "replacement", work, job, env)
+        machines.append(fresh)
+        deadline = time.monotonic() + 180.0
+        while (survivor.alive() or fresh.alive()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        logs = read_logs(os.path.join(work, "steps"))
+        sample = _measure(logs, t_fail)
+        if "error" in sample:
+            sample["error"] = f"{sample['error']}: {fresh.tail(300)}"
+            return sample
+        tiers: Dict[int, str] = {}
+        for m in (survivor, fresh):
+            evs = m.events()
+            node = next((e.get("node") for e in reversed(evs) if e["event"] == "start"), None)
+            restored = [e for e in evs if e["event"] == "restored"]
+            if restored and node is not None:
+                tiers[int(node)] = str(restored[-1].get("tier"))
+            lost_evs = [e for e in evs if e["event"] == "node_lost"]
+            if lost_evs and m is survivor:
+                sample["detect_s"] = float(lost_evs[0]["time"]) - t_fail
+        sample.update(tiers=tiers, lost_node=lost_node, lag_steps=(
+            newest - held if held is not None else None), round_s=(
+            statistics.median(rounds) if rounds else None), bytes=mb << 20,
+            private_shm=private_shm)
         return sample
     finally:
+        for m in machines:
+            m.stop()
+            for path in m.shm_left():
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(logs: Dict[tuple, List[dict]], t_fail: float) -> Dict[str, object]:
+    """Recovery time, steps lost and step time from the job's per-rank, per-attempt logs."""
+    before: Dict[int, int] = {}
+    times: List[float] = []
+    for (rank, att), recs in logs.items():
+        if att == 0:
+            steps = [r for r in recs if r["event"] == "step" and r["time"] <= t_fail]
+            if steps:
+                before[rank] = max(int(r["step"]) for r in steps)
+            if rank == 0:
+                times = [float(r["time"]) for r in steps][-51:]
+    restored = [int(r["step"]) for (rank, att), recs in logs.items() if att > 0
+                for r in recs if r["event"] == "restored"]
+    firsts: Dict[int, float] = {}
+    for (rank, att), recs in sorted(logs.items()):
+        for r in recs:
+            if att > 0 and r["event"] == "step" and r["time"] > t_fail:
+                firsts[rank] = min(firsts.get(rank, float("inf")), float(r["time"]))
+    if len(before) < 2 or not restored or len(firsts) < 2:
+        return {"error": f"no completed step on every rank after the restore "
+                         f"(ranks stepped: {sorted(firsts)}, restored: {restored})"}
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    fail_step, restored_step = min(before.values()), min(restored)
+    return {"recovery_s": max(firsts.values()) - t_fail, "fail_step": fail_step,
+            "restored_step": restored_step, "steps_lost": fail_step - restored_step,
+            "step_s": statistics.median(gaps) if gaps else None}
+
+
+def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
+              private_shm: bool) -> Row:
+    label = f"{step_s:g} s" if step_s else "unpadded"
+    row: Row = {"case": f"ckptrun 2 machines × 1 rank, --replicas 2, step {label}",
+                "failure": "machine loss (all its processes killed)", "bytes": mb << 20,
+                "target": TARGET, "reps": 0}
+    good = [s for s in samples if "error" not in s]
+    notes = []
+    bad = [str(s["error"]) for s in samples if "error" in s]
+    if bad:
+        notes.append(f"{len(bad)} run(s) failed: {bad[0][:240]}")
+    if good:
+        rec = [float(s["recovery_s"]) for s in good]  # type: ignore[arg-type]
+        lost = [int(s["steps_lost"]) for s in good]  # type: ignore[call-overload]
+        row.update(reps=len(good), median_s=statistics.median(rec), min_s=min(rec),
+                   max_s=max(rec), steps_lost=statistics.median(lost),
+                   steps_lost_range=f"{min(lost)}–{max(lost)}", samples=good)
+        for key in ("step_s", "round_s", "lag_steps", "detect_s"):
+            vals = [float(s[key]) for s in good if s.get(key) is not None]  # type: ignore[arg-type]
+            if vals:
+                row[key] = statistics.median(vals)
+        per_rank: Dict[int, set] = {}
+        for s in good:
+            for rank, tier in dict(s["tiers"]).items():  # type: ignore[call-overload]
+                per_rank.setdefault(int(rank), set()).add(tier)
+        lost_nodes = {s.get("lost_node") for s in good}
+        row["tiers"] = ", ".join(
+            f"rank {r}{' (lost)' if r in lost_nodes else ''}: {'/'.join(sorted(t))}"
+            for r, t in sorted(per_rank.items()))
+        from_peer = all(dict(s["tiers"]).get(s.get("lost_node")) == "peer"  # type: ignore[call-overload]
+                        for s in good)
+        row["met"] = "yes" if from_peer and statistics.median(lost) == 0 else "no"
+    notes.append("each machine in its own mount namespace with a private /dev/shm; the lost "
+                 "one powered off (SIGKILL to all its processes)" if private_shm else
+                 "machines share the host's /dev/shm (no root/unshare here); the lost one's "
+                 "files go with its processes (SIGKILL to all, its reaper unlinks them)")
+    row["note"] = "; ".join(notes)
+    return row
+
+
+@section("machine_loss", "Machine loss → a replacement machine restores from a peer's copy",
+         COLUMNS, note="two agents on localhost, one rank each, --replicas 2; the lost machine "
+                       "is killed whole and a replacement started with the same command; "
+                       "lag = the lost machine's newest step − the newest step of it its peer "
+                       "held, when it died; medians over rounds (min/max)")
+def machine_loss(ctx: Context) -> List[Row]:
+    reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
+    private_shm = namespace_problem() is None
+    root = tempfile.mkdtemp(prefix="ckptrun-bench-machine-", dir=ctx.tmpdir)
+    started = time.monotonic()
+    try:
+        rows = []
+        for mb, step_s in _cases(ctx):
+            samples = []
+            for rnd in range(reps):
+                if rnd and time.monotonic() - started > ctx.time_budget_s:
+                    break
+                samples.append(run_once(mb, step_s, root, private_shm,
+                                        max_wait_s=20.0 if ctx.quick else 60.0))
+            rows.append(summarize(mb, step_s, samples, private_shm))
+        return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -262,45 +262,6 @@ def torchrun_hang_row(mb: int, root: str, observe_s: float) -> Row:
             "bytes": mb << 20, "target": "", "note": note, "reps": 1}
 
 
-def machine_loss_supported() -> bool:
-    """Whether the agent restores lost ranks from peer memory (multi-node replication).
-
-    The hook for the machine-loss case: it needs a second agent to die and a replacement
-    to pull the lost ranks from a peer.  Detected by whether ``ckptrun.replicator`` plugs
-    into the agent (``agent_extension``, the agent's tier hook).
-    """
-    import ckptrun.replicator as replicator
-
-    return hasattr(replicator, "agent_extension")
-
-
-def machine_loss_row(mb: int, reps: int, root: str) -> Row:
-    """Machine memory lost -> restored from peer memory (``benchmarks/machine_loss.py``),
-    or "not available yet" while the agent has no peer-memory tier."""
-    case = dict(failure="machine memory lost (rank 1's node)",
-                target="restored from peer memory, 0 steps lost")
-    if not machine_loss_supported():
-        return {"case": "ckptrun", "failure": case["failure"], "bytes": mb << 20,
-                "target": case["target"], "met": "n/a",
-                "note": "not available yet: ckptrun's agent does not restore from peer "
-                        "memory in this checkout; no number is reported"}
-    from benchmarks.machine_loss import run_once
-
-    samples = [run_once(mb, root, FailTrigger, measure) for _ in range(reps)]
-    row = _summary("ckptrun 2 agents × 1 rank, --replicas 2", case, mb, samples)
-    good = [s for s in samples if "error" not in s]
-    tiers = sorted({str(s["tiers"].get("1", s["tiers"].get(1, "nothing (step 0)")))  # type: ignore[union-attr]
-                    for s in good})
-    if "median_s" in row:
-        row["met"] = ("yes" if tiers == ["peer"] and float(row["steps_lost"]) == 0 else "no")
-    failed = [p for p in str(row.get("note", "")).split("; ") if "failed" in p]
-    row["note"] = "; ".join(x for x in [
-        f"rank 1 restored from: {'/'.join(tiers)}" if tiers else "",
-        "the lost machine's agent survives (its snapshots are made unusable, then its "
-        "worker is killed); a replacement agent joining is not measured", *failed] if x)
-    return row
-
-
 @section("recovery", "Recovery: failure → first completed step after restore", COLUMNS,
          note="medians over rounds (min/max); time lost = failure → first step + lost steps × "
               "step time; ratio = time lost / ckptrun's (SIGKILL)")
@@ -338,16 +299,5 @@ def recovery(ctx: Context) -> List[Row]:
         observe = float(ctx.options.get("hang_observe_s") or (3.0 if ctx.quick else 30.0))
         rows.insert(3, torchrun_hang_row(mb, root, observe))
         return rows
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@section("machine_loss", "Machine memory loss → restored from a peer's copy", COLUMNS,
-         note="two agents on localhost, one rank each; medians over rounds (min/max)")
-def machine_loss(ctx: Context) -> List[Row]:
-    reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
-    root = tempfile.mkdtemp(prefix="ckptrun-bench-machine-", dir=ctx.tmpdir)
-    try:
-        return [machine_loss_row(state_mb(ctx), reps, root)]
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -28,7 +28,7 @@ import torch
 from benchmarks import Context, Row, bandwidth_row, interleave, section, timed
 from benchmarks.limits import _tcp_once
 from ckptrun import protocol as P
-from ckptrun.replication import PeerStore
+from ckptrun.replication import MapCache, PeerStore
 from ckptrun.replicator import ReplicaServer, push
 
 SECRET = os.urandom(32)
@@ -75,21 +75,19 @@ def replication(ctx: Context) -> List[Row]:
     rate = float(ctx.options.get("replication_rate") or 1e9)
     token = f"bench{uuid.uuid4().hex[:8]}"
     src = os.path.join(P.SHM_DIR, f"{P.SHM_PREFIX}{token}-src")
-    server = None
+    server = maps = None
     try:
         make_slot(src, nbytes)
         server = ReplicaServer("127.0.0.1", SECRET, PeerStore(token))
         payload = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
         view = memoryview(payload.numpy()).cast("B")
 
-        count = [0]
+        maps = MapCache()  # the agent keeps its copies' mappings from round to round
 
         def do_push(rate_bps=None) -> None:
-            # Alternate two ranks: back-to-back pushes of one rank race with the receiver's
-            # bookkeeping (it is still "busy" with the previous one; ckptrun then raises
-            # BufferError instead of returning None -- reported, see docs/performance.md).
-            count[0] += 1
-            if push(server.address, SECRET, "bench", count[0] % 2, src, rate_bps=rate_bps) is None:
+            # Back-to-back pushes of one rank, as the agent's rounds make them.
+            if push(server.address, SECRET, "bench", 0, src, rate_bps=rate_bps,
+                    maps=maps) is None:
                 raise RuntimeError("push returned None (receiver busy, or the copy failed)")
 
         rows = interleave([
@@ -111,5 +109,7 @@ def replication(ctx: Context) -> List[Row]:
     finally:
         if server is not None:
             server.stop()
+        if maps is not None:
+            maps.close()
         for path in glob.glob(os.path.join(P.SHM_DIR, f"{P.SHM_PREFIX}{token}*")):
             os.unlink(path)

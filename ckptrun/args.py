@@ -29,8 +29,11 @@ _OWN_OPTIONS = [
     ("--replicas", "M", "copies of each node's snapshot in CPU memory, own included (default: 2)"),
     ("--hang-timeout", "SECONDS|auto", "no heartbeat for this long = hang (default: auto)"),
     ("--resume-from", "URL", "restore from this persisted checkpoint at first start"),
+    ("--replication-rate", "MB/s", "cap on each agent's peer-replication traffic, MB/s; 0 = "
+     "unpaced (default: 0)"),
 ]
-_OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto"}
+_OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto",
+                 "replication_rate": "0"}
 FALSE = {"", "0", "false", "no", "off", "n", "f"}
 TRUE = {"1", "true", "yes", "on", "y", "t"}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd])\s*$", re.IGNORECASE)
@@ -200,6 +203,7 @@ def parse(argv: List[str]) -> AgentConfig:
         persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
         replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
         resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
+        replication_rate=parse_replication_rate(ns.replication_rate),
     )
     from ckptrun.preflight import check_environment
 
@@ -226,6 +230,20 @@ def parse_persist_every(text: str) -> Tuple[Optional[int], Optional[float]]:
         raise UsageError(f"--persist-every takes N steps or a duration like 30s, 10m, 1h; got {text!r}")
     _positive(float(text) if seconds is None else seconds, "--persist-every")
     return (None, seconds) if seconds is not None else (int(text), None)
+
+
+def parse_replication_rate(text: str) -> Optional[float]:
+    """``MB/s`` (decimal megabytes) -> bytes/s; ``0``/``off``/``unlimited`` -> None (unpaced)."""
+    text = str(text).strip().lower()
+    if text in ("", "0", "off", "none", "unlimited"):
+        return None
+    try:
+        mb_s = float(text.removesuffix("mb/s"))
+    except ValueError:
+        raise UsageError(f"--replication-rate takes MB/s (0 = unpaced), got {text!r}") from None
+    if not mb_s > 0 or mb_s == float("inf"):
+        raise UsageError(f"--replication-rate must be a positive number of MB/s or 0, got {text!r}")
+    return mb_s * 1e6
 
 
 def parse_hang_timeout(text: str) -> Optional[float]:

@@ -58,6 +58,7 @@ class AgentConfig:
     replicas: int = 2
     hang_timeout: Optional[float] = None  # None = auto
     resume_from: Optional[str] = None
+    replication_rate: Optional[float] = None  # bytes/s per agent; None = unpaced
     num_slots: int = 3
 
     @property

@@ -25,25 +25,37 @@ import secrets
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 from ckptrun import placement
 from ckptrun import protocol as P
-from ckptrun.replication import PeerStore, copy_slot_file
+from ckptrun.replication import PeerStore, copy_slot_file, lower_thread_priority
 from ckptrun.replicator import ReplicaServer, fetch, inventory, push
 
 log = logging.getLogger("ckptrun.replication")
 
 KEY = "ckptrun/replica/"
 ROUND_TIMEOUT_S = 10.0
+POLL_S = 0.005  # how often a round's agreement is polled in the store
 EVENT_EVERY_S = 2.0  # `replicated` events per peer at most this often (rounds can be ms apart)
 
 
-def _rate_bps() -> Optional[float]:
-    """Pacing of replication traffic (MB/s, 0 = unpaced), from CKPTRUN_REPLICATION_MBPS."""
-    mbps = float(os.environ.get("CKPTRUN_REPLICATION_MBPS", "0") or 0)
-    return mbps * 1e6 if mbps > 0 else None
+NICE_ENV = "CKPTRUN_REPLICATION_NICE"
+
+
+def replication_nice() -> int:
+    """CPU niceness of the replication threads (``CKPTRUN_REPLICATION_NICE``, default 0).
+
+    With a positive value, rounds (the local copy, the checksums, the sends) and the
+    receiving side of pushes yield the CPU to training on a machine whose cores are busy.
+    The default is normal priority: on a loaded 2-core machine niceness 10 made a 64 MiB
+    round take 3x longer (1.6 s instead of 0.45 s) and cost 5 steps at a machine loss,
+    with no slowdown of training that could be told apart from the noise (docs/
+    performance.md).  Restores (fetches of lost ranks) always run at normal priority."""
+    try:
+        return max(0, int(os.environ.get(NICE_ENV, "") or 0))
+    except ValueError:
+        return 0
 
 
 def local_address(agent) -> str:
@@ -72,15 +84,20 @@ class ReplicaTier:
         self.ranks = [self.node * cfg.nproc_per_node + lr for lr in range(cfg.nproc_per_node)]
         self.copies = PeerStore(agent.token)
         self.secret = bytes.fromhex(self._agree_secret())
+        self.nice = replication_nice()
         self.server = ReplicaServer(local_address(agent), self.secret, self.copies,
-                                    on_refused=self._refused, local_copy=self._own_slot)
+                                    on_refused=self._refused, local_copy=self._own_slot,
+                                    put_nice=self.nice)
         self.store.set(f"{KEY}addr/{self.node}", "{}:{}".format(*self.server.address))
         self.peers = placement.peers_of(self.node, self.n, self.m)
         self.holders = [h for h in placement.holders_of(self.node, self.n, self.m)
                         if h != self.node]
-        self.rate = _rate_bps()
+        self.rate = cfg.replication_rate  # bytes/s per push; None = unpaced
         self.replicated_step: Optional[int] = None
         self.rate_mb_s: Optional[float] = None  # throughput of the last complete round
+        self.round_s: Optional[float] = None  # duration of the last complete round
+        self.lag_steps: Optional[int] = None  # newest local step - replicated, at its end
+        self.rounds = 0  # complete rounds (this agent's copies landed on every peer)
         self._last_event: Dict[int, float] = {}
         self._stop = threading.Event()
         self._busy = threading.Lock()  # a round and a restore never touch slots together
@@ -106,11 +123,14 @@ class ReplicaTier:
         if self._thread is not None:
             self._thread.join(timeout=ROUND_TIMEOUT_S)
             self._thread = None
-        self.server.stop()
+        self.server.stop()  # unmaps the copies' cached mappings too
 
     def checkpoint_status(self) -> dict:
         return {"peer_step": self.replicated_step, "replica_peers": self.peers,
-                "replica_holders": self.holders, "replication_mb_s": self.rate_mb_s}
+                "replica_holders": self.holders, "replication_mb_s": self.rate_mb_s,
+                "replication_round_s": self.round_s, "replication_lag_steps": self.lag_steps,
+                "replication_rounds": self.rounds,
+                "replication_rate_mb_s": self.rate / 1e6 if self.rate else None}
 
     def restore_step(self, ranks: List[int], attempt: int,
                      max_step: Optional[int]) -> Optional[Tuple[int, str]]:
@@ -128,17 +148,19 @@ class ReplicaTier:
 
     # -- replication rounds --------------------------------------------------------------
     def _loop(self) -> None:
+        lower_thread_priority(self.nice)
         rnd, attempt = 0, self._attempt
         while not self._stop.is_set():
             if self._attempt != attempt:  # a restart: rounds start over with the new attempt
                 rnd, attempt = 0, self._attempt
             newest = self._newest_local()
-            if newest is None or (self.replicated_step is not None
-                                  and newest <= self.replicated_step):
+            want = newest is not None and (self.replicated_step is None
+                                           or newest > self.replicated_step)
+            if newest is None or (not want and not self._wanted(f"{attempt}/{rnd}")):
                 self._stop.wait(0.02)
                 continue
             try:
-                step = self._agree(f"{attempt}/{rnd}", newest)
+                step = self._agree(f"{attempt}/{rnd}", newest, want)
             except Exception as e:  # a peer is gone or the store is: the agent will notice
                 log.debug("replication round %s/%s: %s", attempt, rnd, e)
                 self._stop.wait(0.5)
@@ -154,20 +176,34 @@ class ReplicaTier:
         """Newest step every local rank has committed (headers only: cheap)."""
         return None if self.memory is None else self.memory.newest_committed(self.ranks)
 
-    def _agree(self, rnd: str, newest: int) -> Optional[int]:
+    def _wanted(self, rnd: str) -> bool:
+        """Whether another node asked for round ``rnd`` (it has a step to copy that we
+        already copied, e.g. its last round failed): we join it even with nothing new."""
+        try:
+            return bool(self.store.check([f"{KEY}round/{rnd}/want"]))
+        except Exception:
+            return False
+
+    def _agree(self, rnd: str, newest: int, want: bool = True) -> Optional[int]:
         """Every node posts its newest step for round ``rnd``; the round's step is the min.
+        A node with a step newer than its last replicated one asks for the round; the
+        others join it even when they have nothing new themselves.
         None if the tier is stopped while waiting (a node that finished posts no more)."""
         prefix = f"{KEY}round/{rnd}/"
+        if want:
+            self.store.set(prefix + "want", "1")
         self.store.set(prefix + str(self.node), str(newest))
         keys = [prefix + str(g) for g in range(self.n)]
         deadline = time.monotonic() + ROUND_TIMEOUT_S
+        # Polled with check(), never a store.wait() with a timeout: a wait that times out
+        # leaves the store's late answer on the client's connection, where the next
+        # request of this client reads it (rounds then stall, seen with torch 2.13).
         while not self._stop.is_set():
-            try:
-                self.store.wait(keys, timedelta(seconds=0.5))
+            if self.store.check(keys):
                 return min(int(v) for v in self.store.multi_get(keys))
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replication round {rnd}: not every node posted")
+            self._stop.wait(POLL_S)
         return None
 
     def _replicate(self, step: int) -> None:
@@ -175,11 +211,14 @@ class ReplicaTier:
         own: Dict[int, str] = {}
         for r in self.ranks:
             k = self.memory.steps(r).get(step)
-            dst = self.copies.incoming_path(r)
-            if k is None or dst is None:
+            if k is None:  # the worker moved on and reused that slot: a later round
+                return
+            dst = self.copies.incoming_path(r)  # marks the rank busy until done()
+            if dst is None:
                 return
             try:
-                got = copy_slot_file(P.slot_path(self.memory.slot_prefix(r), k), dst)
+                got = copy_slot_file(P.slot_path(self.memory.slot_prefix(r), k), dst,
+                                     self.copies.maps)
             finally:
                 self.copies.done(r)
             if got != step:
@@ -190,7 +229,8 @@ class ReplicaTier:
             addr = self._addr(peer)
             for r, path in own.items():
                 try:
-                    res = push(addr, self.secret, f"node{self.node}", r, path, self.rate)
+                    res = push(addr, self.secret, f"node{self.node}", r, path, self.rate,
+                               maps=self.copies.maps)
                 except (OSError, ConnectionError) as e:
                     log.debug("push of rank %d to node %d failed: %s", r, peer, e)
                     res = None
@@ -199,13 +239,18 @@ class ReplicaTier:
                 sent[peer] = sent.get(peer, 0) + res["bytes"]
         self.replicated_step = step
         now = time.monotonic()
+        self.rounds += 1
+        self.round_s = round(now - t0, 4)
+        newest = self._newest_local()
+        self.lag_steps = None if newest is None else max(0, newest - step)
         if sent and now > t0:
             self.rate_mb_s = round(sum(sent.values()) / (now - t0) / 1e6, 1)
         for peer, nbytes in sent.items():
             if now - self._last_event.get(peer, 0.0) >= EVENT_EVERY_S:
                 self._last_event[peer] = now
                 self.agent.events.emit("replicated", step=step, peer=peer, bytes=nbytes,
-                                       seconds=round(now - t0, 4))
+                                       seconds=round(now - t0, 4), rounds=self.rounds,
+                                       lag_steps=self.lag_steps)
 
     # -- restore -------------------------------------------------------------------------
     def _sources(self, ranks: List[int]) -> Dict[int, Dict[int, List[Tuple[str, object]]]]:

@@ -21,19 +21,27 @@ import hashlib
 import hmac
 import json
 import logging
-import mmap
 import os
+import queue
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from ckptrun import protocol as P
+from ckptrun.peer_store import (  # the copies' side; re-exported for the transport's users
+    MapCache,
+    PeerStore,
+    copy_slot_file,
+    done_with_map,
+    prepare_slot_file,
+)
 
 log = logging.getLogger("ckptrun.replication")
 
-CHUNK = 4 << 20
+PACED_CHUNK = 4 << 20  # a paced stream sleeps between chunks of this size
+HASH_PIECE = 1 << 20  # a receiver hashes what it received in pieces of this size
 ABORT = (1 << 64) - 1
 MAX_FRAME = 1 << 20  # a JSON frame larger than this is a protocol violation
 _U64 = struct.Struct(">Q")
@@ -82,6 +90,17 @@ def recv_frame(sock: socket.socket) -> dict:
     if not isinstance(obj, dict):
         raise ConnectionError("malformed frame")
     return obj
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Renice the calling thread only (Linux: a thread is a task with its own nice)."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except (AttributeError, OSError):
+        pass  # not Linux, or not permitted: replication still works, at normal priority
 
 
 # --------------------------------------------------------------------------- handshake
@@ -140,26 +159,80 @@ def slot_regions(mm) -> Tuple[P.SlotHeader, list]:
     return h, [meta, data]
 
 
+def _pace(sent: int, t0: float, rate_bps: Optional[float]) -> None:
+    """Sleep until ``sent`` bytes are within the budget of ``rate_bps`` since ``t0``."""
+    if rate_bps:
+        ahead = sent / rate_bps - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
 def send_stream(sock: socket.socket, regions: list, rate_bps: Optional[float] = None,
                 still_valid: Callable[[], bool] = lambda: True) -> int:
-    """Send regions as chunks, paced to ``rate_bps``; ABORT if the source changed meanwhile."""
+    """Send in-memory regions as chunks, paced to ``rate_bps``; ABORT if the source changed
+    meanwhile."""
     sent, t0 = 0, time.monotonic()
+    step = PACED_CHUNK if rate_bps else max(1, max((len(r) for r in regions), default=1))
     for region in regions:
-        for off in range(0, len(region), CHUNK):
-            piece = region[off : off + CHUNK]
+        for off in range(0, len(region), step):
+            piece = region[off : off + step]
             sock.sendall(_U64.pack(len(piece)))
             sock.sendall(piece)
             sent += len(piece)
-            if rate_bps:  # pacing: never run ahead of the bandwidth budget
-                ahead = sent / rate_bps - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
+            _pace(sent, t0, rate_bps)
     sock.sendall(_U64.pack(0 if still_valid() else ABORT))
     return sent
 
 
+class _PipelinedChecksum:
+    """Hash received pieces on a second thread while the next piece is being received.
+
+    xxhash releases the GIL on large buffers, so receiving (``recv_into``, a kernel copy)
+    and hashing run on two cores at once instead of one after the other.  Pieces are
+    hashed in the order they are fed; every view handed over is released after hashing.
+    """
+
+    def __init__(self, digest) -> None:
+        self.digest = digest
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="ckptrun-recv-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            view = self._q.get()
+            if view is None:
+                return
+            try:
+                if self._error is None:
+                    self.digest.update(view)
+            except BaseException as e:  # reported by finish()
+                self._error = e
+            finally:
+                view.release()
+
+    def feed(self, view: memoryview) -> None:
+        self._q.put(view)
+
+    def finish(self) -> int:
+        """Wait for every piece fed so far; the digest."""
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self.digest.intdigest()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
 def recv_stream_into(sock: socket.socket, regions: list, checksum) -> bool:
-    """Receive chunks into regions (exact sizes); False if the sender aborted."""
+    """Receive chunks into regions (exact sizes), feeding each received piece of at most
+    ``HASH_PIECE`` bytes to ``checksum`` (an object with ``update``, or a
+    :class:`_PipelinedChecksum`) right after it arrived; False if the sender aborted."""
+    feed = checksum.feed if isinstance(checksum, _PipelinedChecksum) else checksum.update
     targets = [r for r in regions if len(r)]
     ti, pos = 0, 0
     while True:
@@ -173,45 +246,34 @@ def recv_stream_into(sock: socket.socket, regions: list, checksum) -> bool:
         while n:
             if ti >= len(targets):
                 raise ConnectionError("stream longer than announced")
-            dst = targets[ti][pos : pos + n]
+            k = min(n, HASH_PIECE, len(targets[ti]) - pos)
+            dst = targets[ti][pos : pos + k]
             _recv_into(sock, dst)
-            checksum.update(dst)
-            n -= len(dst)
-            pos += len(dst)
+            feed(dst)  # may be released by the hashing thread from here on
+            del dst
+            n -= k
+            pos += k
             if pos == len(targets[ti]):
                 ti, pos = ti + 1, 0
 
 
-def prepare_slot_file(path: str, meta_len: int, data_len: int) -> mmap.mmap:
-    """(Re)create ``path`` as a slot file big enough for the announced sizes, state WRITING."""
-    data_offset = P.data_offset_for(max(meta_len, P.PAGE))
-    size = data_offset + data_len
-    if os.path.exists(path) and os.path.getsize(path) >= size:
-        mm = P.open_shm_file(path, populate=True)  # reuse: map every page now, not per fault
-    else:
-        if os.path.exists(path):
-            os.unlink(path)
-        mm = P.create_shm_file(path, size)
-    h = P.SlotHeader.unpack_from(mm)
-    h.state, h.step, h.seq = P.SlotState.WRITING, -1, h.seq + 1
-    h.meta_len, h.data_len, h.data_offset, h.capacity = meta_len, data_len, data_offset, len(mm)
-    h.pack_into(mm)
-    return mm
+def receive_slot(sock: socket.socket, path: str, info: dict,
+                 maps: Optional[MapCache] = None) -> bool:
+    """Receive one announced snapshot into slot file ``path``; commit only if it verifies.
 
-
-def receive_slot(sock: socket.socket, path: str, info: dict) -> bool:
-    """Receive one announced snapshot into slot file ``path``; commit only if it verifies."""
+    The checksum is computed while receiving (on a second thread, piece by piece right
+    after each piece arrived), so there is no second pass over the bytes."""
     meta_len, data_len = int(info["meta_len"]), int(info["data_len"])
-    mm = prepare_slot_file(path, meta_len, data_len)
+    mm = prepare_slot_file(path, meta_len, data_len, maps)
     h = P.SlotHeader.unpack_from(mm)
     view = memoryview(mm)
     regions = [view[P.SLOT_HEADER_SIZE : P.SLOT_HEADER_SIZE + meta_len],
                view[h.data_offset : h.data_offset + data_len]]
+    digest = _PipelinedChecksum(P.new_checksum())
     try:
-        digest = P.new_checksum()
         if not recv_stream_into(sock, regions, digest):
             return False
-        if digest.intdigest() != int(info["checksum"]):
+        if digest.finish() != int(info["checksum"]):
             return False
         h.checksum, h.commit_time = int(info["checksum"]), time.time()
         h.rank, h.world_size = int(info["rank"]), int(info.get("world_size", 0))
@@ -220,119 +282,13 @@ def receive_slot(sock: socket.socket, path: str, info: dict) -> bool:
         P.set_slot_state(mm, P.SlotState.COMMITTED, int(info["step"]))  # the commit point
         return True
     finally:
+        digest.close()  # every fed view released before the mapping is closed or kept
         for r in regions:
             r.release()
         view.release()
-        try:
-            mm.close()
-        except BufferError:
-            pass  # a failed recv's traceback still holds a slice; unmapped when collected
+        done_with_map(path, mm, maps, True)
 
 
-def copy_slot_file(src_path: str, dst_path: str) -> Optional[int]:
-    """Copy a committed slot file, verifying the copy against the writer's checksum.
-
-    Returns the step, or None if the source was not committed, changed during the copy, or
-    does not match its checksum (a corrupted copy is never committed).
-    """
-    src = P.open_shm_file(src_path, populate=True, write=False)
-    regions: list = []
-    try:
-        h, regions = slot_regions(src)
-        if h.state != P.SlotState.COMMITTED:
-            return None
-        dst = prepare_slot_file(dst_path, h.meta_len, h.data_len)
-        try:
-            dh = P.SlotHeader.unpack_from(dst)
-            digest = P.new_checksum()
-            for region, off in zip(regions, (P.SLOT_HEADER_SIZE, dh.data_offset)):
-                for pos in range(0, len(region), CHUNK):  # hash while the chunk is hot
-                    piece = region[pos : pos + CHUNK]
-                    dst[off + pos : off + pos + len(piece)] = piece
-                    digest.update(dst[off + pos : off + pos + len(piece)])
-            now = P.SlotHeader.unpack_from(src)
-            if (now.state, now.step, now.seq) != (h.state, h.step, h.seq) \
-                    or digest.intdigest() != h.checksum:
-                return None
-            dh.checksum, dh.commit_time, dh.rank, dh.world_size = (
-                h.checksum, time.time(), h.rank, h.world_size)
-            dh.pack_into(dst)
-            P.set_slot_state(dst, P.SlotState.COMMITTED, h.step)
-            return h.step
-        finally:
-            dst.close()
-    finally:
-        del regions
-        try:
-            src.close()
-        except BufferError:
-            pass
-
-
-# --------------------------------------------------------------------------- peer copies
-
-class PeerStore:
-    """Agent-owned copies of other machines' ranks: two slot files per rank (newest + incoming)."""
-
-    def __init__(self, job_token: str):
-        self.job_token = job_token
-        self._lock = threading.Lock()
-        self._busy: set = set()
-
-    def path(self, rank: int, k: int) -> str:
-        return os.path.join(P.SHM_DIR, f"{P.SHM_PREFIX}{self.job_token}-peer-r{rank}-s{k}")
-
-    def latest(self, rank: int) -> Optional[Tuple[int, str]]:
-        """(step, path) of the newest committed copy of ``rank``, if any."""
-        best = None
-        for k in (0, 1):
-            h = _read_header(self.path(rank, k))
-            if h and h.state == P.SlotState.COMMITTED and (best is None or h.step > best[0]):
-                best = (h.step, self.path(rank, k))
-        return best
-
-    def copies(self, rank: int) -> Dict[int, str]:
-        """{step: path} of every committed copy of ``rank`` held here (at most two)."""
-        out: Dict[int, str] = {}
-        for k in (0, 1):
-            h = _read_header(self.path(rank, k))
-            if h and h.state == P.SlotState.COMMITTED:
-                out[h.step] = self.path(rank, k)
-        return out
-
-    def inventory(self) -> Dict[int, list]:
-        """{rank: [steps]} of every committed copy held here."""
-        return {r: sorted(self.copies(r)) for r in self.holdings()}
-
-    def holdings(self) -> Dict[int, int]:
-        """{rank: newest committed step} of every rank this agent holds a copy of."""
-        out: Dict[int, int] = {}
-        prefix = f"{P.SHM_PREFIX}{self.job_token}-peer-r"
-        for name in os.listdir(P.SHM_DIR):
-            if name.startswith(prefix):
-                rank = int(name[len(prefix):].split("-")[0])
-                got = self.latest(rank)
-                if got:
-                    out[rank] = got[0]
-        return out
-
-    def incoming_path(self, rank: int) -> Optional[str]:
-        """The slot to receive into: never the newest committed copy; None if one is in flight."""
-        with self._lock:
-            if rank in self._busy:
-                return None
-            self._busy.add(rank)
-        got = self.latest(rank)
-        return self.path(rank, 0 if got is None or got[1] == self.path(rank, 1) else 1)
-
-    def done(self, rank: int) -> None:
-        with self._lock:
-            self._busy.discard(rank)
-
-
-def _read_header(path: str) -> Optional[P.SlotHeader]:
-    try:
-        with open(path, "rb") as f:
-            return P.SlotHeader.unpack_from(f.read(P.SLOT_HEADER_SIZE))
-    except OSError:
-        return None
+__all__ = ["AuthError", "MapCache", "PeerStore", "connect", "copy_slot_file", "done_with_map",
+           "lower_thread_priority", "prepare_slot_file", "receive_slot", "recv_frame",
+           "send_frame", "send_stream", "server_handshake", "slot_regions", "tune_socket"]

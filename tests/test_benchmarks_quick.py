@@ -58,6 +58,7 @@ def test_tiny_benchmark_run(tmp_path):
     rep = {r["case"]: r for r in sections["replication"]["rows"]}
     assert rep["raw loopback TCP"]["vs_tcp"] == 1.0 and rep["push"]["gb_per_s"] > 0
     assert rep["push"]["bytes"] == 4 << 20 and 0 < rep["push paced (1 GB/s)"]["vs_rate"] <= 1.5
+    assert rep["push"]["met"] in ("yes", "no")
     assert all("not measured" in r["source"] for r in sections["quoted"]["rows"])
 
     text = doc.read_text()

@@ -317,3 +317,14 @@ def test_logs_and_shutdown(monkeypatch):
 def test_parse_creates_nothing_on_error(tmp_path):
     _error(["--keep", "0", "train.py"])
     assert not (tmp_path / "ckptrun-runs").exists()
+
+
+def test_replication_rate(monkeypatch):
+    assert parse(["train.py"]).replication_rate is None  # default: unpaced
+    assert parse(["--replication-rate", "250", "train.py"]).replication_rate == 250e6
+    assert parse(["--replication_rate", "0", "train.py"]).replication_rate is None
+    monkeypatch.setenv("CKPTRUN_REPLICATION_RATE", "1.5")
+    assert parse(["train.py"]).replication_rate == 1.5e6
+    assert parse(["--replication-rate", "off", "train.py"]).replication_rate is None
+    for bad in ("fast", "-3", "inf"):
+        assert "--replication-rate" in _error(["--replication-rate", bad, "train.py"])

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from ckptrun import protocol as P
-from ckptrun.replication import AuthError, PeerStore
+from ckptrun.replication import AuthError, MapCache, PeerStore
 from ckptrun.replicator import ReplicaServer, fetch, holdings, push
 
 SECRET = b"s" * 32
@@ -167,3 +167,204 @@ def test_back_to_back_pushes_of_one_rank_all_land(token, server):
         res = push(server.address, SECRET, "node-a", 3, src)
         assert res is not None and res["step"] == step
     assert server.store.latest(3)[0] == 40
+
+
+def test_push_while_the_same_rank_is_in_flight_is_refused_not_raised(token, server):
+    """A second push of a rank whose transfer is still running gets None ("busy") -- no
+    BufferError or other exception -- and the rank is free again once the first is done."""
+    src = f"/dev/shm/ckptrun-{token}-r3-s0"
+    make_slot(src, 5, b"q" * (8 << 20))
+    maps = MapCache()
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(
+        push(server.address, SECRET, "node-a", 3, src, rate_bps=16e6, maps=maps)))  # ~0.5 s
+    t.start()
+    deadline = time.monotonic() + 10
+    while not glob.glob(server.store.path(3, 0)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other = f"/dev/shm/ckptrun-{token}-r3-s1"
+    make_slot(other, 6, b"w" * 4096)
+    assert push(server.address, SECRET, "node-b", 3, other, maps=maps) is None  # busy
+    t.join()
+    assert first and first[0]["step"] == 5
+    for _ in range(3):  # back to back with cached mappings on both ends
+        res = push(server.address, SECRET, "node-b", 3, other, maps=maps)
+        assert res is not None and res["step"] == 6
+    assert server.store.latest(3)[0] == 6
+    maps.close()
+
+
+def test_map_cache_never_reuses_a_replaced_file(token):
+    path = f"/dev/shm/ckptrun-{token}-cache"
+    make_slot(path, 1, b"a" * 8192)
+    maps = MapCache()
+    mm = maps.open(path)
+    maps.give(path, mm, False)
+    assert maps.open(path) is mm  # same file: the mapping is reused
+    maps.give(path, mm, False)
+    make_slot(path, 2, b"b" * 8192)  # unlinked and created again: another file
+    mm2 = maps.open(path)
+    assert mm2 is not mm and mm.closed
+    assert P.SlotHeader.unpack_from(mm2).step == 2
+    maps.give(path, mm2, False)
+    assert maps.take(path, 1 << 30, False) is None  # too small for the request: dropped
+    maps.close()
+
+
+def test_rewritten_source_with_cached_mappings_sends_the_new_bytes(token, server):
+    """The sender's kept mapping shows the file as it is now, not as it was."""
+    src = f"/dev/shm/ckptrun-{token}-r3-s0"
+    maps = MapCache()
+    make_slot(src, 1, b"1" * 100000)
+    assert push(server.address, SECRET, "a", 3, src, maps=maps)["step"] == 1
+    mm = P.open_shm_file(src)  # rewrite in place (same file), as a worker reuses a slot
+    h = P.SlotHeader.unpack_from(mm)
+    data = b"2" * 100000
+    mm[h.data_offset:h.data_offset + len(data)] = data
+    meta = bytes(mm[P.SLOT_HEADER_SIZE:P.SLOT_HEADER_SIZE + h.meta_len])
+    digest = P.new_checksum()
+    digest.update(meta)
+    digest.update(data)
+    h.step, h.seq, h.checksum = 2, h.seq + 1, digest.intdigest()
+    h.pack_into(mm)
+    mm.close()
+    assert push(server.address, SECRET, "a", 3, src, maps=maps)["step"] == 2
+    assert read_data(server.store.latest(3)[1]) == data
+    maps.close()
+
+
+def _fake_agent(node: int, store, events: list, rate_bps=None):
+    """What ``ReplicaTier`` uses of an agent: 2 machines x 1 rank, a shared store."""
+    from types import SimpleNamespace
+
+    from ckptrun.memory import NodeMemory
+
+    token = "tier" + uuid.uuid4().hex[:8]
+    return SimpleNamespace(
+        token=token, memory=NodeMemory(token, num_slots=3),
+        info=SimpleNamespace(group_rank=node, group_world_size=2, store=store,
+                             master_addr="127.0.0.1"),
+        cfg=SimpleNamespace(replicas=2, nproc_per_node=1, local_addr="127.0.0.1",
+                            rdzv_endpoint=f"127.0.0.1:{store.port}", replication_rate=rate_bps),
+        events=SimpleNamespace(emit=lambda event, **f: events.append(dict(f, event=event))))
+
+
+def _write_lockstep(agents, steps, pause_s: float = 0.01) -> None:
+    """Both machines commit ``steps`` in lockstep (data parallel: a step apart at most)."""
+    import torch
+
+    from ckptrun import snapshot as S
+
+    lockstep = threading.Barrier(len(agents))
+
+    def train(node: int) -> None:
+        mem, w = agents[node].memory, torch.zeros(1 << 20)
+        for step in steps:
+            lockstep.wait()
+            w += 1
+            tree, items = S.flatten({"w": w, "step": step})
+            mem.write(node, S.make_meta(step, node, 2, tree, items, [0] * len(items)),
+                      [t for _, t in items], step=step)
+            time.sleep(pause_s)
+
+    writers = [threading.Thread(target=train, args=(n,)) for n in range(len(agents))]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+
+
+def _close_tiers(tiers, agents) -> None:
+    for tier, agent in zip(tiers, agents):
+        tier.close()
+        agent.memory.cleanup()
+        for f in glob.glob(f"/dev/shm/ckptrun-{agent.token}*"):
+            os.unlink(f)
+
+
+def _wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not pred():
+        time.sleep(0.05)
+    return bool(pred())
+
+
+def test_a_node_behind_gets_its_round_after_the_others_are_done():
+    """A node whose round failed asks for another one; the others join it although they
+    have nothing new (before, it waited forever for them once training stopped)."""
+    from torch.distributed import TCPStore
+
+    from ckptrun.replica_tier import ReplicaTier
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), [])
+              for n in (0, 1)]
+    tiers = [ReplicaTier(a) for a in agents]
+    real = tiers[1]._replicate
+    tiers[1]._replicate = lambda step: None  # every round of node 1 fails for now
+    try:
+        for tier in tiers:
+            tier.attempt_started(0)
+        _write_lockstep(agents, range(1, 11))
+        assert _wait_for(lambda: tiers[0].replicated_step == 10, 20)
+        assert tiers[1].replicated_step is None
+        tiers[1]._replicate = real
+        assert _wait_for(lambda: tiers[1].replicated_step == 10, 20), tiers[1].replicated_step
+        assert tiers[0].copies.latest(1)[0] == 10
+    finally:
+        _close_tiers(tiers, agents)
+
+
+def test_rounds_always_take_the_newest_step_never_a_queue():
+    """Steps come faster than a (paced) round can copy them: each round replicates the
+    newest step there is when it starts -- the ones committed meanwhile are skipped, not
+    queued -- and once training stops, the last step is what both machines hold."""
+    from torch.distributed import TCPStore
+
+    from ckptrun.replica_tier import ReplicaTier
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    events: list = []
+    agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), events,
+                          rate_bps=40e6) for n in (0, 1)]  # 4 MiB a push: ~0.1 s
+    tiers = [ReplicaTier(a) for a in agents]
+    received = {0: [], 1: []}
+    for tier in tiers:
+        tier.server._on_received = lambda rank, step, nbytes, s: received[rank].append(step)
+    last = 60
+
+    try:
+        for tier in tiers:
+            tier.attempt_started(0)
+        _write_lockstep(agents, range(1, last + 1))
+        _wait_for(lambda: all(t.replicated_step == last for t in tiers), 20)
+        assert [t.replicated_step for t in tiers] == [last, last]
+        for steps in received.values():
+            assert steps == sorted(set(steps)), steps  # strictly newer every round
+            assert steps[-1] == last
+            assert len(steps) < last // 2, steps  # rounds skipped the stale steps
+            assert any(b - a > 1 for a, b in zip(steps, steps[1:])), steps
+        assert tiers[1].copies.latest(0)[0] == last and tiers[0].copies.latest(1)[0] == last
+    finally:
+        _close_tiers(tiers, agents)
+
+
+def test_a_round_whose_step_is_gone_does_not_stop_later_rounds():
+    """Regression: a round for a step the worker had already overwritten returned early
+    with the rank still marked busy, and every later round of that agent failed."""
+    from torch.distributed import TCPStore
+
+    from ckptrun.replica_tier import ReplicaTier
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), [])
+              for n in (0, 1)]
+    tiers = [ReplicaTier(a) for a in agents]  # rounds not started: _replicate called here
+    try:
+        _write_lockstep(agents, range(1, 6), pause_s=0)  # 3 slots: steps 3, 4, 5 are held
+        tiers[0]._replicate(1)  # gone
+        assert tiers[0].replicated_step is None
+        tiers[0]._replicate(5)
+        assert tiers[0].replicated_step == 5 and tiers[1].copies.latest(0)[0] == 5
+    finally:
+        _close_tiers(tiers, agents)

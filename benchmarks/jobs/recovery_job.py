@@ -198,6 +198,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="pad every step to at least this many seconds with a sleep after "
+                        "save() (a GPU-bound step: the CPU waits, the snapshot copy overlaps)")
     return p.parse_args(argv)
 
 
@@ -238,6 +241,7 @@ def main(argv: Optional[list] = None) -> None:
     elif attempt > 0:
         end = start + args.steps_after_restore  # every rank restored the same step
     while step < end:
+        t_step = time.perf_counter()
         x, y = batch(step, rank, args.batch)
         loss = nn.functional.mse_loss(ddp(x), y)
         inject(args, log, step, rank, attempt, time.monotonic() - begun)  # ``step`` is done
@@ -257,7 +261,10 @@ def main(argv: Optional[list] = None) -> None:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(dcp_state(ddp, optim, blob), checkpoint_id=f"{args.ckpt_dir}/step-{n}")
-        log.write("step", step=n, opt_s=t_save - t_opt, save_s=time.perf_counter() - t_save,
+        t_done = time.perf_counter()
+        if args.step_time > 0:
+            time.sleep(max(0.0, args.step_time - (t_done - t_step)))
+        log.write("step", step=n, opt_s=t_save - t_opt, save_s=t_done - t_save,
                   saving=saving)
         step = n
     if ckpt is not None:
