@@ -228,8 +228,8 @@ def machine_loss(ctx: Context) -> List[Row]:
             for rnd in range(reps):
                 if rnd and time.monotonic() - started > ctx.time_budget_s:
                     break
-                samples.append(run_once(mb, step_s, root, private_shm,
-                                        max_wait_s=20.0 if ctx.quick else 60.0))
+                samples.append(run_once(mb, step_s, root, private_shm,  # quick: < 1 min
+                                        max_wait_s=10.0 if ctx.quick else 60.0))
             rows.append(summarize(mb, step_s, samples, private_shm))
         return rows
     finally:

@@ -120,7 +120,7 @@ def _median(samples: List[Dict[str, object]], key: str) -> Optional[float]:
               "interleaved rounds of 1 − steps/s ÷ steps/s with --replicas 1 in the same "
               "round; goal (DESIGN §6) ≤ 5%")
 def replication_overhead(ctx: Context) -> List[Row]:
-    steps = int(ctx.options.get("overhead_steps") or (120 if ctx.quick else 400))
+    steps = int(ctx.options.get("overhead_steps") or (80 if ctx.quick else 400))
     reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
     cases = dict(CASES)
     if ctx.quick:  # the low-priority and paced variants only in full runs
