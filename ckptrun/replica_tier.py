@@ -195,9 +195,8 @@ class ReplicaTier:
         self.store.set(prefix + str(self.node), str(newest))
         keys = [prefix + str(g) for g in range(self.n)]
         deadline = time.monotonic() + ROUND_TIMEOUT_S
-        # Polled with check(), never a store.wait() with a timeout: a wait that times out
-        # leaves the store's late answer on the client's connection, where the next
-        # request of this client reads it (rounds then stall, seen with torch 2.13).
+        # Polled with check(): a store.wait() holds the client (shared with the agent's
+        # other threads) until the keys appear or the wait times out.
         while not self._stop.is_set():
             if self.store.check(keys):
                 return min(int(v) for v in self.store.multi_get(keys))
