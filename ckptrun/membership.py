@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from ckptrun.kvstore import own_client
 from ckptrun.rendezvous import KEY_PREFIX, RUN, Epoch, JobCoordinator
 
 NODE_TIMEOUT_ENV = "CKPTRUN_NODE_TIMEOUT"
@@ -153,7 +154,9 @@ def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = N
     agent.epoch = agent.coord.init()
     agent.live = None
     if info.group_world_size > 1:
-        agent.live = Liveness(info.store, info.group_rank, info.group_world_size).start()
+        # its own client: a heartbeat queued behind other threads' waits reads as a death
+        agent.live = Liveness(own_client(info.store), info.group_rank,
+                              info.group_world_size).start()
         agent.coord.check = agent.live.check
     agent.extensions = load_extensions(agent)
     agent._own_addr = _own_address(agent) if info.group_world_size > 1 else None

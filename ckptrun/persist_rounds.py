@@ -26,10 +26,10 @@ import json
 import logging
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun import storage
+from ckptrun.kvstore import own_client, wait_keys
 from ckptrun.protocol import SlotState
 
 log = logging.getLogger("ckptrun.persist")
@@ -47,7 +47,10 @@ class PersistRounds:
 
     def __init__(self, store, node: int, nnodes: int, ranks: List[int], memory,
                  emit: Callable[..., Any], url: str, threads: int = 2) -> None:
-        self.store, self.node, self.nnodes = store, node, nnodes
+        # the rounds run in the persister's or the follower's thread, on their own client;
+        # the agent's thread (the end of the job) keeps the agent's
+        self.store, self._agent_store = own_client(store), store
+        self.node, self.nnodes = node, nnodes
         self.ranks, self.memory, self.emit, self.url = ranks, memory, emit, url
         self.threads = threads
         self.round = 0
@@ -105,7 +108,7 @@ class PersistRounds:
     def close_leader(self) -> None:
         """After the leader's last round (the final persist): followers may stop."""
         try:
-            self.store.set(f"{KEY}closed", str(self.round))
+            self._agent_store.set(f"{KEY}closed", str(self.round))
         finally:
             self._stop.set()
 
@@ -123,7 +126,8 @@ class PersistRounds:
         self._done.set()
         deadline = time.monotonic() + timeout
         try:
-            while time.monotonic() < deadline and not self.store.check([f"{KEY}closed"]):
+            while time.monotonic() < deadline and \
+                    not self._agent_store.check([f"{KEY}closed"]):
                 time.sleep(0.1)
         except Exception:  # noqa: BLE001 -- the leader left and took the store with it
             pass
@@ -212,13 +216,7 @@ class PersistRounds:
     def _wait(self, key: str) -> str:
         """The value of ``key`` once some node set it.  Waits in short slices: a thread
         must never sit in a long store call when the agent exits."""
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=0.5))
-                break
-            except Exception:  # noqa: BLE001 -- torch raises its own timeout error types
-                if self._stop.is_set() or time.monotonic() > deadline:
-                    raise
+        if not wait_keys(self.store, [key], WAIT_S, stop=self._stop):
+            raise RuntimeError(f"stopped while waiting for {key}")
         raw = self.store.get(key)
         return raw.decode() if isinstance(raw, bytes) else raw

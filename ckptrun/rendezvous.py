@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun.config import AgentConfig
+from ckptrun.kvstore import wait_keys
 
 KEY_PREFIX = "ckptrun/"
 RUN, FAILED, FATAL = "run", "failed", "fatal"
@@ -195,17 +196,7 @@ class JobCoordinator:
     # -- per-attempt agreements ----------------------------------------------------------
     def _wait(self, keys: List[str]) -> None:
         """``store.wait`` in short slices, calling :attr:`check` between them."""
-        import time
-
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=0.5))
-                return
-            except Exception:
-                self.check()
-                if time.monotonic() > deadline:
-                    raise
+        wait_keys(self.store, keys, self.timeout.total_seconds(), check=self.check)
 
     def _gather(self, name: str, key: str, value: str) -> List[str]:
         prefix = f"{KEY_PREFIX}{name}/{key}/"

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ckptrun import placement
 from ckptrun import protocol as P
+from ckptrun.kvstore import own_client, wait_keys
 from ckptrun.replication import PeerStore, copy_slot_file, lower_thread_priority
 from ckptrun.replicator import ReplicaServer, fetch, inventory, push
 
@@ -36,7 +37,6 @@ log = logging.getLogger("ckptrun.replication")
 
 KEY = "ckptrun/replica/"
 ROUND_TIMEOUT_S = 10.0
-POLL_S = 0.005  # how often a round's agreement is polled in the store
 EVENT_EVERY_S = 2.0  # `replicated` events per peer at most this often (rounds can be ms apart)
 
 
@@ -80,6 +80,7 @@ class ReplicaTier:
         self.node, self.n = info.group_rank, info.group_world_size
         self.m = placement.effective_replicas(self.n, cfg.replicas)
         self.store = info.store
+        self._rounds_store = own_client(info.store)  # the rounds' thread waits on its own
         self.memory = agent.memory
         self.ranks = [self.node * cfg.nproc_per_node + lr for lr in range(cfg.nproc_per_node)]
         self.copies = PeerStore(agent.token)
@@ -95,6 +96,9 @@ class ReplicaTier:
         self.rate = cfg.replication_rate  # bytes/s per push; None = unpaced
         self.replicated_step: Optional[int] = None
         self.rate_mb_s: Optional[float] = None  # throughput of the last complete round
+        # per peer: the newest step of ours it holds (a push this attempt that arrived and
+        # verified), the push's throughput and when it arrived
+        self.peer_copies: Dict[int, dict] = {}
         self.round_s: Optional[float] = None  # duration of the last complete round
         self.lag_steps: Optional[int] = None  # newest local step - replicated, at its end
         self.rounds = 0  # complete rounds (this agent's copies landed on every peer)
@@ -108,6 +112,7 @@ class ReplicaTier:
     def attempt_started(self, attempt: int) -> None:
         self._attempt = attempt
         self.replicated_step = None  # the restored step may be older than the last round
+        self.peer_copies = {}
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ckptrun-replication",
                                             daemon=True)
@@ -126,8 +131,13 @@ class ReplicaTier:
         self.server.stop()  # unmaps the copies' cached mappings too
 
     def checkpoint_status(self) -> dict:
+        """``peer_step``: the newest step every holder has; ``peers``: each holder's own."""
+        copies = dict(self.peer_copies)  # the rounds' thread replaces entries meanwhile
+        peers = [{"node": h, "holds_step": None, "mb_s": None, "updated": None,
+                  **copies.get(h, {})} for h in self.holders]
         return {"peer_step": self.replicated_step, "replica_peers": self.peers,
                 "replica_holders": self.holders, "replication_mb_s": self.rate_mb_s,
+                "peers": peers,
                 "replication_round_s": self.round_s, "replication_lag_steps": self.lag_steps,
                 "replication_rounds": self.rounds,
                 "replication_rate_mb_s": self.rate / 1e6 if self.rate else None}
@@ -180,7 +190,7 @@ class ReplicaTier:
         """Whether another node asked for round ``rnd`` (it has a step to copy that we
         already copied, e.g. its last round failed): we join it even with nothing new."""
         try:
-            return bool(self.store.check([f"{KEY}round/{rnd}/want"]))
+            return bool(self._rounds_store.check([f"{KEY}round/{rnd}/want"]))
         except Exception:
             return False
 
@@ -189,21 +199,16 @@ class ReplicaTier:
         A node with a step newer than its last replicated one asks for the round; the
         others join it even when they have nothing new themselves.
         None if the tier is stopped while waiting (a node that finished posts no more)."""
-        prefix = f"{KEY}round/{rnd}/"
+        prefix, store = f"{KEY}round/{rnd}/", self._rounds_store
         if want:
-            self.store.set(prefix + "want", "1")
-        self.store.set(prefix + str(self.node), str(newest))
+            store.set(prefix + "want", "1")
+        store.set(prefix + str(self.node), str(newest))
         keys = [prefix + str(g) for g in range(self.n)]
-        deadline = time.monotonic() + ROUND_TIMEOUT_S
-        # Polled with check(): a store.wait() holds the client (shared with the agent's
-        # other threads) until the keys appear or the wait times out.
-        while not self._stop.is_set():
-            if self.store.check(keys):
-                return min(int(v) for v in self.store.multi_get(keys))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replication round {rnd}: not every node posted")
-            self._stop.wait(POLL_S)
-        return None
+        # a short slice: a machine lost mid-round never posts, and close() (the agent's
+        # recovery) waits for this thread to notice the stop
+        if not wait_keys(store, keys, ROUND_TIMEOUT_S, stop=self._stop, slice_s=0.05):
+            return None
+        return min(int(v) for v in store.multi_get(keys))
 
     def _replicate(self, step: int) -> None:
         t0 = time.monotonic()
@@ -225,7 +230,7 @@ class ReplicaTier:
             own[r] = dst
         sent: Dict[int, int] = {}
         for peer in self.peers:
-            addr = self._addr(peer)
+            addr, t_peer = self._addr(peer, self._rounds_store), time.monotonic()
             for r, path in own.items():
                 try:
                     res = push(addr, self.secret, f"node{self.node}", r, path, self.rate,
@@ -236,6 +241,10 @@ class ReplicaTier:
                 if res is None:
                     return
                 sent[peer] = sent.get(peer, 0) + res["bytes"]
+            took = time.monotonic() - t_peer
+            self.peer_copies[peer] = {
+                "holds_step": step, "updated": time.time(),
+                "mb_s": round(sent.get(peer, 0) / took / 1e6, 1) if took > 0 else None}
         self.replicated_step = step
         now = time.monotonic()
         self.rounds += 1
@@ -320,8 +329,8 @@ class ReplicaTier:
         got = self.store.compare_set(f"{KEY}secret", "", mine)
         return (got.decode() if isinstance(got, bytes) else got) or mine
 
-    def _addr(self, node: int) -> Tuple[str, int]:
-        raw = self.store.get(f"{KEY}addr/{node}")
+    def _addr(self, node: int, store=None) -> Tuple[str, int]:
+        raw = (self.store if store is None else store).get(f"{KEY}addr/{node}")
         host, _, port = (raw.decode() if isinstance(raw, bytes) else raw).rpartition(":")
         return host, int(port)
 
