@@ -107,6 +107,9 @@ def load_status(run_dir: str, now: Optional[float] = None) -> Dict[str, Any]:
     st["workers"] = [dict(w) for w in st.get("workers") or [] if isinstance(w, dict)]
     ckpt = st.get("checkpoint") if isinstance(st.get("checkpoint"), dict) else {}
     st["checkpoint"] = {**{k: None for k in _CHECKPOINT_KEYS}, **ckpt}
+    # the machines holding copies of this machine's snapshots, each with its newest step
+    st["checkpoint"]["peers"] = [dict(p) for p in ckpt.get("peers") or []
+                                 if isinstance(p, dict)]
     st["run_dir"] = os.path.abspath(run_dir)
 
     finished = [e for e in events if e.get("event") == "finished"]
@@ -149,6 +152,15 @@ def _peer_where(ck: dict) -> str:
     return f"{where}, last round {rate:.0f} MB/s" if rate else where
 
 
+def _peer_row(p: dict, now: float) -> str:
+    """One machine holding this machine's copies: when its newest copy arrived, how fast."""
+    if p.get("holds_step") is None:
+        return "no copy yet"
+    when = (f"copy pushed {_age(max(0.0, now - p['updated']))} ago"
+            if isinstance(p.get("updated"), (int, float)) else "holds a copy")
+    return f"{when}, {p['mb_s']:.0f} MB/s" if p.get("mb_s") else when
+
+
 def _age(value: Any) -> str:
     return f"{value:.1f}s" if isinstance(value, (int, float)) else "-"
 
@@ -173,8 +185,10 @@ _STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold r
                 "restarting": "yellow", "starting": "cyan"}
 
 
-def render(st: Dict[str, Any]):
-    """A rich renderable: header, workers table, checkpoint tiers, recent failures."""
+def render(st: Dict[str, Any], now: Optional[float] = None):
+    """A rich renderable: header, workers table, checkpoint tiers (the peer tier with one row
+    per machine holding this machine's copies), recent failures."""
+    now = time.time() if now is None else now
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -204,6 +218,11 @@ def render(st: Dict[str, Any]):
     tiers.add_column("where", overflow="fold")  # a URL is copied by users: never elide it
     tiers.add_row("memory", _fmt(ck.get("memory_step")), "local CPU memory (/dev/shm)")
     tiers.add_row("peer", _fmt(ck.get("peer_step")), _peer_where(ck))
+    peers = ck.get("peers") or []
+    for i, p in enumerate(peers):
+        branch = "└" if i == len(peers) - 1 else "├"
+        tiers.add_row(f" {branch} node {_fmt(p.get('node'), '?')}", _fmt(p.get("holds_step")),
+                      _peer_row(p, now))
     tiers.add_row("storage", _fmt(ck.get("persisted_step")),
                   _fmt(ck.get("persisted_url") or st.get("persist_to")))
     parts.append(tiers)

@@ -67,7 +67,7 @@ def test_running_job(tmp_path):
     # ages were 0.5 s when written 5 s ago: now about 5.5 s
     assert all(5.4 <= w["heartbeat_age_s"] <= 7 for w in st["workers"])
     assert st["checkpoint"] == {"memory_step": 41, "peer_step": 40, "persisted_step": 30,
-                                "persisted_url": "/tmp/ck/step-30"}
+                                "persisted_url": "/tmp/ck/step-30", "peers": []}
     assert [f["event"] for f in st["failures"]] == ["worker_failed"]
 
 
@@ -137,14 +137,39 @@ def test_table(tmp_path):
         assert text in out, text
 
 
+def _peer_checkpoint(now):
+    return {"memory_step": 41, "peer_step": 39, "persisted_step": 30,
+            "persisted_url": "/tmp/ck/step-30", "replica_peers": [1, 2],
+            "replica_holders": [1, 2], "replication_mb_s": 812.5,
+            "peers": [{"node": 1, "holds_step": 40, "mb_s": 901.2, "updated": now - 2.0},
+                      {"node": 2, "holds_step": 39, "mb_s": 455.0, "updated": now - 3.0},
+                      {"node": 3, "holds_step": None, "mb_s": None, "updated": None}]}
+
+
 def test_table_shows_where_peer_copies_live(tmp_path):
-    ck = {"memory_step": 41, "peer_step": 40, "persisted_step": 30,
-          "persisted_url": "/tmp/ck/step-30", "replica_peers": [1], "replica_holders": [1],
-          "replication_mb_s": 812.5}
-    run = _make_run(tmp_path / "r", _status(checkpoint=ck))
+    run = _make_run(tmp_path / "r", _status(checkpoint=_peer_checkpoint(time.time())))
     result = CliRunner().invoke(status_command, ["--run-dir", run])
     assert result.exit_code == 0, result.output
-    assert "node(s) 1" in result.output and "812 MB/s" in result.output
+    assert "node(s) 1, 2" in result.output and "812 MB/s" in result.output
+    lines = result.output.splitlines()
+    for node, step, rate in (("1", "40", "901 MB/s"), ("2", "39", "455 MB/s")):
+        row = next(line for line in lines if f"node {node} " in line and "MB/s" in line)
+        assert f" {step} " in row and rate in row and "pushed" in row, row
+    row = next(line for line in lines if "node 3" in line)
+    assert "no copy yet" in row, row
+
+
+def test_json_lists_every_peer_with_its_step(tmp_path):
+    now = time.time()
+    run = _make_run(tmp_path / "r", _status(checkpoint=_peer_checkpoint(now)))
+    ck = _json(["--run-dir", run, "--json"])["checkpoint"]
+    for key, value in (("memory_step", 41), ("peer_step", 39), ("persisted_step", 30),
+                       ("persisted_url", "/tmp/ck/step-30")):
+        assert ck[key] == value
+    assert [(p["node"], p["holds_step"]) for p in ck["peers"]] == [(1, 40), (2, 39), (3, None)]
+    assert ck["peers"][0]["mb_s"] == 901.2 and ck["peers"][0]["updated"] == now - 2.0
+    # peer_step is what every holder has: never newer than any holder's own step
+    assert ck["peer_step"] <= min(p["holds_step"] for p in ck["peers"] if p["holds_step"])
 
 
 def test_watch_returns_when_job_is_over(tmp_path):
