@@ -1,10 +1,17 @@
-"""Real machine loss: an agent (its workers and its memory) disappears and a replacement
-machine running the same command takes its place.
+"""Real machine loss: agents (their workers and their memory) disappear and replacement
+machines running the same command take their places.
 
 Every agent is its own machine with its own memory: it runs in a private mount namespace with
 its own tmpfs on /dev/shm, so SIGKILLing it (the reaper then kills its workers) really loses
 every snapshot it held.  The run must still end bitwise equal to a failure-free run of the
-deterministic job (2 ranks; the weights do not depend on the 2-rank layout).
+deterministic job with as many ranks (the weights depend on the world size, not on how the
+ranks are spread over machines).
+
+2 machines x 1 process: one lost, restored from its peer; or, without peer copies, from
+storage.  3 machines x 1 process with ``--replicas 2`` (GEMINI's mixed placement is then one
+ring of 3: machine i's copies live on i and i+1): one lost, restored from its peer; or two
+lost at once -- both holders of some machine's copies -- and everyone restores the same
+durable step.
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_events
+from conftest import SCRIPTS, ckptrun_cmd, run_events
+
+from ckptrun import placement
+from ckptrun.status import load_status
 
 SCRIPT = os.path.join(SCRIPTS, "e2e_train.py")
 STEPS = 40
@@ -111,91 +122,193 @@ def finish(procs, timeout: float):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    p = machine(d, "ref", ["--standalone", "--nproc-per-node", "2"], str(d / "final.pt"))
-    assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
-    return torch.load(str(d / "final.pt"), weights_only=True)
+def references(tmp_path_factory) -> Callable[[int], dict]:
+    """``references(world)``: the final weights of a failure-free run with ``world`` ranks on
+    one machine (computed once per world size)."""
+    cache: dict = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            d = tmp_path_factory.mktemp(f"ref{world}")
+            p = machine(d, "ref", ["--standalone", "--nproc-per-node", str(world)],
+                        str(d / "final.pt"))
+            assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
+            cache[world] = torch.load(str(d / "final.pt"), weights_only=True)
+        return cache[world]
+
+    return get
 
 
-def lose_and_replace(tmp_path, extra_args, victim_step: int = 10, persisted: bool = False):
-    """Machines A (store host) and B; B is SIGKILLed after ``victim_step``; C, with B's
-    command, replaces it.  Returns (A, C, seconds from the loss to A's first step after its
-    restore, B's group rank).  ``persisted``: also wait for a durable step before the loss."""
-    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
-              "--max-restarts", "3", *extra_args]
-    out = str(tmp_path / "final.pt")
-    a = machine(tmp_path, "a", common, out)
-    b = c = None
-    try:
-        wait_until(lambda: listening(port), 60, "the store host", [a])  # A hosts the store
-        b = machine(tmp_path, "b", common, out)
-        wait_until(lambda: any(w.get("step", 0) >= victim_step
-                               for w in status(b.run_dir).get("workers", []))
-                   and (not persisted or of(a.run_dir, "persisted")),
-                   120, f"machine B at step {victim_step}", [a, b])
-        lost_node = status(b.run_dir)["node"]
-        t_loss = time.monotonic()
-        os.kill(b.pid, signal.SIGKILL)  # the agent: its reaper takes the workers with it
-        b.wait(timeout=30)
-        c = machine(tmp_path, "c", common, out)
-
-        def stepped():
-            st, restored = status(a.run_dir), of(a.run_dir, "restored")
-            return restored and st.get("attempt", 0) > 0 and any(
-                w.get("step", 0) > restored[-1]["step"] for w in st.get("workers", []))
-        wait_until(stepped, 120, "A's first step after the restore", [a, c])
-        recovery_s = time.monotonic() - t_loss
-        codes = finish([a, c], 150)
-    finally:
-        for p in (a, b, c):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in "abc"}
-    assert codes == [0, 0], logs
-    return a, c, recovery_s, lost_node
-
-
-def test_machine_lost_replacement_restores_from_peer(tmp_path, reference):
-    a, c, recovery_s, lost_node = lose_and_replace(tmp_path, ["--replicas", "2"])
-    lost = of(a.run_dir, "node_lost")
-    assert [e["node"] for e in lost] == [lost_node]
-    assert of(c.run_dir, "start")[0]["node"] == lost_node  # the newcomer took B's place
-    ra, rc = of(a.run_dir, "restored"), of(c.run_dir, "restored")
-    assert ra[-1]["tier"] == "memory" and rc[-1]["tier"] == "peer", (ra, rc)
-    assert ra[-1]["step"] == rc[-1]["step"]
-    restarts = [e["restarts"] for e in of(a.run_dir, "restart")]
-    assert restarts[-1] == 1, restarts  # one loss, one restart job-wide
-    steps_lost = lost[0]["step"] - ra[-1]["step"]
-    print(f"\nmachine loss -> first step after restore: {recovery_s:.2f}s "
-          f"(detection {lost[0]['seconds_silent']:.2f}s), steps lost: {steps_lost} "
-          f"(restored step {ra[-1]['step']})")
-    assert 0 <= steps_lost <= 3
-    got = torch.load(str(tmp_path / "final.pt"), weights_only=True)
+def assert_bitwise_equal(path: str, reference: dict) -> None:
+    got = torch.load(path, weights_only=True)
     assert got.keys() == reference.keys()
     for k in got:
         assert torch.equal(got[k], reference[k]), k
 
 
-def test_placement_group_lost_everyone_restores_from_storage(tmp_path, reference):
+def peer_copies(run_dir: str) -> List[dict]:
+    """``checkpoint.peers`` as ``ckptrun status --json`` reports it for this machine."""
+    try:
+        return load_status(run_dir)["checkpoint"]["peers"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+@dataclass
+class Loss:
+    survivors: list  # the machines that were never lost; [0] hosts the store
+    newcomers: list  # the replacements, in start order
+    lost_nodes: List[int]  # group ranks of the lost machines
+    recovery_s: float  # from the loss to the store host's first step after its restore
+
+
+def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
+                     victim_step: int = 10, persisted: bool = False,
+                     replicated: bool = False) -> Loss:
+    """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
+    after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them.
+    ``persisted``: also wait for a durable step before the loss; ``replicated``: for every
+    machine holding a copy of a victim's snapshots (``ckptrun status``: checkpoint.peers)."""
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    common = ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+              "--max-restarts", "3", *extra_args]
+    out = str(tmp_path / "final.pt")
+    names = "abcdefgh"[:nnodes]
+    procs = [machine(tmp_path, names[0], common, out)]
+    newcomers: list = []
+    try:
+        wait_until(lambda: listening(port), 60, "the store host", procs)  # a hosts the store
+        procs += [machine(tmp_path, n, common, out) for n in names[1:]]
+        survivors, lost = procs[:-victims], procs[-victims:]
+
+        def ready() -> bool:
+            return all(any(w.get("step", 0) >= victim_step
+                           for w in status(v.run_dir).get("workers", [])) for v in lost) \
+                and (not persisted or bool(of(procs[0].run_dir, "persisted"))) \
+                and (not replicated or all(
+                    (cp := peer_copies(v.run_dir)) and all(p["holds_step"] for p in cp)
+                    for v in lost))
+        wait_until(ready, 180, f"the machines to be lost at step {victim_step}", procs)
+        lost_nodes = sorted(status(v.run_dir)["node"] for v in lost)
+        at = max(w.get("step", 0) for v in lost for w in status(v.run_dir).get("workers", []))
+        assert at <= STEPS - 10, f"the job was at step {at} of {STEPS} when it was ready"
+        t_loss = time.monotonic()
+        for v in lost:  # the agents: their reapers take the workers with them
+            os.kill(v.pid, signal.SIGKILL)
+        for v in lost:
+            v.wait(timeout=30)
+        newcomers = [machine(tmp_path, n, common, out) for n in "xyz"[:victims]]
+        host = survivors[0]
+
+        def stepped():
+            st, restored = status(host.run_dir), of(host.run_dir, "restored")
+            return restored and st.get("attempt", 0) > 0 and any(
+                w.get("step", 0) > restored[-1]["step"] for w in st.get("workers", []))
+        wait_until(stepped, 180, "a's first step after the restore", survivors + newcomers)
+        recovery_s = time.monotonic() - t_loss
+        codes = finish(survivors + newcomers, 180)
+    finally:
+        for p in procs + newcomers:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:]
+            for n in names + "xyz"[:victims]}
+    assert codes == [0] * len(codes), logs
+    return Loss(survivors, newcomers, lost_nodes, recovery_s)
+
+
+def report(what: str, loss: Loss, restored_step: int) -> None:
+    lost = of(loss.survivors[0].run_dir, "node_lost")
+    print(f"\n{what} -> first step after restore: {loss.recovery_s:.2f}s "
+          f"(detection {lost[0]['seconds_silent']:.2f}s), steps lost: "
+          f"{lost[0]['step'] - restored_step} (restored step {restored_step})")
+
+
+def test_machine_lost_replacement_restores_from_peer(tmp_path, references):
+    loss = lose_and_replace(tmp_path, ["--replicas", "2"])
+    (a,), (c,) = loss.survivors, loss.newcomers
+    lost = of(a.run_dir, "node_lost")
+    assert [e["node"] for e in lost] == loss.lost_nodes
+    assert of(c.run_dir, "start")[0]["node"] == loss.lost_nodes[0]  # took B's place
+    ra, rc = of(a.run_dir, "restored"), of(c.run_dir, "restored")
+    assert ra[-1]["tier"] == "memory" and rc[-1]["tier"] == "peer", (ra, rc)
+    assert ra[-1]["step"] == rc[-1]["step"]
+    restarts = [e["restarts"] for e in of(a.run_dir, "restart")]
+    assert restarts[-1] == 1, restarts  # one loss, one restart job-wide
+    report("machine loss", loss, ra[-1]["step"])
+    assert 0 <= lost[0]["step"] - ra[-1]["step"] <= 3
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
+
+
+def test_placement_group_lost_everyone_restores_from_storage(tmp_path, references):
     """No peer copies (--replicas 1: every machine is its own placement group): losing a
     machine loses its group, and every node restores the same durable step."""
     store = tmp_path / "durable"
-    a, c, recovery_s, lost_node = lose_and_replace(
+    loss = lose_and_replace(
         tmp_path, ["--replicas", "1", "--persist-every", "5", "--persist-to", str(store)],
         persisted=True)
-    lost = of(a.run_dir, "node_lost")
-    assert [e["node"] for e in lost] == [lost_node]
+    (a,), (c,) = loss.survivors, loss.newcomers
+    assert [e["node"] for e in of(a.run_dir, "node_lost")] == loss.lost_nodes
     ra, rc = of(a.run_dir, "restored"), of(c.run_dir, "restored")
     assert ra[-1]["tier"] == "storage" and rc[-1]["tier"] == "storage", (ra, rc)
     assert ra[-1]["step"] == rc[-1]["step"] > 0
-    steps_lost = lost[0]["step"] - ra[-1]["step"]
-    print(f"\nplacement group lost -> first step after restore: {recovery_s:.2f}s "
-          f"(detection {lost[0]['seconds_silent']:.2f}s), steps lost: {steps_lost} "
-          f"(restored durable step {ra[-1]['step']})")
-    got = torch.load(str(tmp_path / "final.pt"), weights_only=True)
-    for k in got:
-        assert torch.equal(got[k], reference[k]), k
+    report("placement group lost", loss, ra[-1]["step"])
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
+
+
+def test_three_machines_one_lost_restores_from_its_peer(tmp_path, references):
+    """3 machines, 2 copies each (a ring of 3): the lost machine's copies survive on its
+    successor; the replacement pulls them from there, the two survivors restore their own
+    memory, all the same step -- and ``ckptrun status`` shows who holds whose copy."""
+    loss = lose_and_replace(tmp_path, ["--replicas", "2"], nnodes=3, replicated=True)
+    (lost_node,), (x,) = loss.lost_nodes, loss.newcomers
+    machines = loss.survivors + loss.newcomers
+    assert of(x.run_dir, "start")[0]["node"] == lost_node  # took the lost machine's place
+    for m in loss.survivors:
+        assert [e["node"] for e in of(m.run_dir, "node_lost")] == [lost_node], m.run_dir
+        assert [e["restarts"] for e in of(m.run_dir, "restart")][-1] == 1
+    restored = {m.run_dir: of(m.run_dir, "restored")[-1] for m in machines}
+    tiers = [restored[m.run_dir]["tier"] for m in machines]
+    assert tiers == ["memory", "memory", "peer"], restored
+    assert len({r["step"] for r in restored.values()}) == 1, restored
+    step = restored[x.run_dir]["step"]
+    report("3 machines, one lost", loss, step)
+    lost = of(loss.survivors[0].run_dir, "node_lost")[0]
+    assert 0 <= lost["step"] - step <= 3
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
+
+    # every machine's status names the machines holding its copies, each with its step
+    nodes = {}
+    for m in machines:
+        proc = subprocess.run(ckptrun_cmd("status", "--run-dir", m.run_dir, "--json"),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        st = json.loads(proc.stdout)
+        ck, node = st["checkpoint"], st["node"]
+        nodes[m.run_dir] = node
+        assert [p["node"] for p in ck["peers"]] == placement.peers_of(node, 3, 2), ck
+        assert all(p["holds_step"] is not None and p["holds_step"] >= ck["peer_step"]
+                   for p in ck["peers"]), ck
+    assert sorted(nodes.values()) == [0, 1, 2]
+
+
+def test_three_machines_placement_group_lost_restores_from_storage(tmp_path, references):
+    """3 machines, 2 copies each; two machines are lost at once, so some machine's snapshot
+    was held only by those two: no common step exists in memory any more, and every machine
+    -- the survivor included -- restores the same durable step."""
+    store = tmp_path / "durable"
+    loss = lose_and_replace(
+        tmp_path, ["--replicas", "2", "--persist-every", "5", "--persist-to", str(store)],
+        nnodes=3, victims=2, persisted=True, replicated=True)
+    holders = placement.placement(3, 2)
+    assert any(set(hs) <= set(loss.lost_nodes) for hs in holders), (holders, loss.lost_nodes)
+    (a,), newcomers = loss.survivors, loss.newcomers
+    assert sorted(of(x.run_dir, "start")[0]["node"] for x in newcomers) == loss.lost_nodes
+    assert set(e["node"] for e in of(a.run_dir, "node_lost")) == set(loss.lost_nodes)
+    restored = [of(m.run_dir, "restored")[-1] for m in [a, *newcomers]]
+    assert [r["tier"] for r in restored] == ["storage"] * 3, restored
+    assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
+    report("3 machines, a placement group lost", loss, restored[0]["step"])
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
