@@ -306,7 +306,10 @@ def test_three_machines_placement_group_lost_restores_from_storage(tmp_path, ref
     assert any(set(hs) <= set(loss.lost_nodes) for hs in holders), (holders, loss.lost_nodes)
     (a,), newcomers = loss.survivors, loss.newcomers
     assert sorted(of(x.run_dir, "start")[0]["node"] for x in newcomers) == loss.lost_nodes
-    assert set(e["node"] for e in of(a.run_dir, "node_lost")) == set(loss.lost_nodes)
+    # the two silences cross the timeout up to one heartbeat apart: the survivor may name
+    # only the first before the re-rendezvous, which replaces both
+    reported = {e["node"] for e in of(a.run_dir, "node_lost")}
+    assert reported and reported <= set(loss.lost_nodes), (reported, loss.lost_nodes)
     restored = [of(m.run_dir, "restored")[-1] for m in [a, *newcomers]]
     assert [r["tier"] for r in restored] == ["storage"] * 3, restored
     assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
