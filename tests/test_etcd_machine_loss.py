@@ -9,32 +9,30 @@ gets them from its peer.  The run ends bitwise equal to a failure-free run.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
 
 import pytest
-import torch
-from conftest import SCRIPTS, run_events
+from machines import (
+    assert_bitwise_equal,
+    free_port,
+    machine,
+    of,
+    reference_weights,
+    require_namespaces,
+    status,
+    wait_until,
+)
 
-SCRIPT = os.path.join(SCRIPTS, "e2e_train.py")
-STEPS, STEP_TIME = 40, "0.1"
-ETCD, UNSHARE = shutil.which("etcd"), shutil.which("unshare")
+ETCD = shutil.which("etcd")
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,42 +66,6 @@ def etcd_endpoint(tmp_path_factory):
         p.wait(timeout=30)
 
 
-def machine(tmp_path, name: str, agent_args, out: str) -> subprocess.Popen:
-    run_dir = str(tmp_path / name)
-    cmd = [UNSHARE, "-m", "--propagation", "private", "sh", "-c",
-           'mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && exec "$@"', name,
-           sys.executable, "-m", "ckptrun.cli", *agent_args, "--run-dir", run_dir, SCRIPT,
-           "--steps", str(STEPS), "--step-time", STEP_TIME, "--out", out]
-    with open(tmp_path / f"{name}.log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    p.run_dir = run_dir  # type: ignore[attr-defined]
-    return p
-
-
-def status(run_dir: str) -> dict:
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def of(run_dir, name):
-    return [e for e in run_events(run_dir) if e["event"] == name]
-
-
-def wait_for(pred, timeout: float, what: str, procs):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        for p in procs:
-            assert p.poll() is None, f"{what}: a machine exited early ({p.returncode})"
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_cas_store_has_c10d_compare_set_semantics(etcd_endpoint):
     import etcd
 
@@ -135,15 +97,10 @@ def test_cas_store_has_c10d_compare_set_semantics(etcd_endpoint):
     assert s.get("n").split(b":")[0] == b"46"
 
 
-def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd_endpoint):
-    if not UNSHARE or os.geteuid() != 0:
-        pytest.skip("private /dev/shm per machine needs unshare and root")
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    ref = machine(ref_dir, "ref", ["--standalone", "--nproc-per-node", "2"],
-                  str(ref_dir / "final.pt"))
-    assert ref.wait(timeout=180) == 0, (ref_dir / "ref.log").read_text()[-3000:]
-
+def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd_endpoint,
+                                                                   tmp_path_factory):
+    require_namespaces()
+    reference = reference_weights(tmp_path_factory)(2)
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
               "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", uuid.uuid4().hex[:8],
               "--max-restarts", "3", "--replicas", "2"]
@@ -151,15 +108,15 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
     procs = {n: machine(tmp_path, n, common, out) for n in "ab"}
     try:
         # Group rank 0 is whoever the rendezvous made it: that machine is the one to lose.
-        nodes = wait_for(lambda: all("node" in status(p.run_dir) for p in procs.values())
-                         and {n: status(p.run_dir)["node"] for n, p in procs.items()},
-                         120, "both machines in the job", list(procs.values()))
+        nodes = wait_until(lambda: all("node" in status(p.run_dir) for p in procs.values())
+                           and {n: status(p.run_dir)["node"] for n, p in procs.items()},
+                           120, "both machines in the job", list(procs.values()))
         victim = next(n for n, g in nodes.items() if g == 0)
         survivor = procs["b" if victim == "a" else "a"]
-        wait_for(lambda: of(survivor.run_dir, "replicated")
-                 and any(w.get("step", 0) >= 10
-                         for w in status(survivor.run_dir).get("workers", [])),
-                 120, "step 10 and a replicated snapshot", list(procs.values()))
+        wait_until(lambda: of(survivor.run_dir, "replicated")
+                   and any(w.get("step", 0) >= 10
+                           for w in status(survivor.run_dir).get("workers", [])),
+                   120, "step 10 and a replicated snapshot", list(procs.values()))
         os.kill(procs[victim].pid, signal.SIGKILL)  # agent, workers (reaper), its memory
         procs[victim].wait(timeout=30)
         procs["c"] = machine(tmp_path, "c", common, out)
@@ -175,8 +132,4 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
     rs, rc = of(survivor.run_dir, "restored"), of(procs["c"].run_dir, "restored")
     assert rs[-1]["tier"] == "memory" and rc[-1]["tier"] == "peer", (rs, rc)
     assert rs[-1]["step"] == rc[-1]["step"] > 0
-    got = torch.load(out, weights_only=True)
-    want = torch.load(str(ref_dir / "final.pt"), weights_only=True)
-    assert got.keys() == want.keys()
-    for k in got:
-        assert torch.equal(got[k], want[k]), k
+    assert_bitwise_equal(out, reference)

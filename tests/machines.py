@@ -1,0 +1,136 @@
+"""Machines on one host for the multi-machine tests: every agent runs in its own mount
+namespace with a private tmpfs on /dev/shm, so SIGKILLing it (its reaper then kills its
+workers) really loses every snapshot it held.  Shared by ``test_machine_loss.py`` and
+``test_etcd_machine_loss.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional
+
+import pytest
+import torch
+from conftest import SCRIPTS, run_events
+
+from ckptrun.status import load_status
+
+SCRIPT = os.path.join(SCRIPTS, "e2e_train.py")
+STEPS = 40
+STEP_TIME = "0.1"
+UNSHARE = shutil.which("unshare")
+
+
+def namespace_problem() -> Optional[str]:
+    """Why private-memory machines cannot be simulated here (None: they can)."""
+    if not UNSHARE:
+        return "unshare (util-linux) is not installed"
+    if os.geteuid() != 0:
+        return "mounting a private /dev/shm needs root"
+    r = subprocess.run([UNSHARE, "-m", "--propagation", "private", "sh", "-c",
+                        "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                       capture_output=True, text=True, timeout=30)
+    return None if r.returncode == 0 else f"mount namespaces unavailable: {r.stderr[-300:]}"
+
+
+def require_namespaces() -> None:
+    """Skip the calling test (or module fixture) when private-memory machines are impossible."""
+    problem = namespace_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine(tmp_path, name: str, agent_args, out: str) -> subprocess.Popen:
+    """One machine: an agent in its own mount namespace with its own /dev/shm."""
+    run_dir = str(tmp_path / name)
+    cmd = [UNSHARE, "-m", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && exec "$@"', name,
+           sys.executable, "-m", "ckptrun.cli", *agent_args, "--run-dir", run_dir, SCRIPT,
+           "--steps", str(STEPS), "--step-time", STEP_TIME, "--out", out]
+    log = open(tmp_path / f"{name}.log", "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    log.close()
+    p.run_dir = run_dir  # type: ignore[attr-defined]
+    return p
+
+
+def wait_until(pred, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        for p in procs:
+            assert p.poll() is None, f"{what}: a machine exited early ({p.returncode})"
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def status(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def of(run_dir, name):
+    return [e for e in run_events(run_dir) if e["event"] == name]
+
+
+def finish(procs, timeout: float):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def reference_weights(tmp_path_factory) -> Callable[[int], dict]:
+    """``references(world)``: the final weights of a failure-free run with ``world`` ranks on
+    one machine (computed once per world size)."""
+    cache: dict = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            d = tmp_path_factory.mktemp(f"ref{world}")
+            p = machine(d, "ref", ["--standalone", "--nproc-per-node", str(world)],
+                        str(d / "final.pt"))
+            assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
+            cache[world] = torch.load(str(d / "final.pt"), weights_only=True)
+        return cache[world]
+
+    return get
+
+
+def assert_bitwise_equal(path: str, reference: dict) -> None:
+    got = torch.load(path, weights_only=True)
+    assert got.keys() == reference.keys()
+    for k in got:
+        assert torch.equal(got[k], reference[k]), k
+
+
+def peer_copies(run_dir: str) -> List[dict]:
+    """``checkpoint.peers`` as ``ckptrun status --json`` reports it for this machine."""
+    try:
+        return load_status(run_dir)["checkpoint"]["peers"]
+    except (OSError, ValueError, KeyError):
+        return []
