@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 from benchmarks import Context, Row, section
 from benchmarks.jobrun import read_logs
-from benchmarks.machines import Machine, namespace_problem, replacement, start_job
+from benchmarks.machines import Machine, namespace_problem, replacement, start_job, teardown
 
 TARGET = "restored from peer memory, 0 steps lost"
 COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
@@ -133,14 +133,7 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
             private_shm=private_shm)
         return sample
     finally:
-        for m in machines:
-            m.stop()
-            for path in m.shm_left():
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        shutil.rmtree(work, ignore_errors=True)
+        teardown(machines, work)
 
 
 def _measure(logs: Dict[tuple, List[dict]], t_fail: float) -> Dict[str, object]:

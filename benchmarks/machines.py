@@ -190,3 +190,16 @@ def replacement(like: Machine, name: str, work: str, job_args: List[str],
     machine has its own disk)."""
     return Machine(name, work, like.command_args, job_args,  # type: ignore[attr-defined]
                    os.path.join(work, "steps"), env, like.private_shm)
+
+
+def teardown(machines: List[Machine], work: str) -> None:
+    """Stop every machine of a run, remove shared-memory files a killed one left, and the
+    run's working directory."""
+    for m in machines:
+        m.stop()
+        for path in m.shm_left():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    shutil.rmtree(work, ignore_errors=True)

@@ -25,7 +25,6 @@ waits on the GPU and replication uses cores and network bandwidth that training 
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import tempfile
@@ -34,7 +33,7 @@ from typing import Dict, List, Optional
 
 from benchmarks import Context, Row, section
 from benchmarks.jobrun import Outcome, read_logs, steps_per_s
-from benchmarks.machines import start_job
+from benchmarks.machines import start_job, teardown
 from benchmarks.overhead import MODEL, SKIP, state_bytes
 
 GOAL = 0.05  # DESIGN §6: replication slows training by at most 5%
@@ -98,14 +97,7 @@ def one_run(case: dict, steps: int, root: str) -> Dict[str, object]:
                 sample["lag_steps"] = statistics.mean(lags)
         return sample
     finally:
-        for m in machines:
-            m.stop()
-            for path in m.shm_left():
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        shutil.rmtree(work, ignore_errors=True)
+        teardown(machines, work)
 
 
 def _median(samples: List[Dict[str, object]], key: str) -> Optional[float]:
