@@ -91,6 +91,7 @@ class PersistRounds:
                 if raw.startswith("error:"):
                     raise storage.StorageError(f"node {g}: {raw[6:].strip()}")
                 parts.append(json.loads(raw))
+            _check_visible(url, step, parts[1:])
             index = storage.finalize(url, step, parts, world_size)
         except Exception as e:
             self.store.set(k + "done", f"error: {e}")
@@ -161,6 +162,7 @@ class PersistRounds:
             snaps = self._read_step(step)
             part = storage.write_parts(self.url, step, snaps, node=self.node,
                                        threads=self.threads)
+            part["url"] = self.url  # for the leader's message if it cannot see the files
             self.store.set(k + f"part/{self.node}", json.dumps(part))
         except Exception as e:  # noqa: BLE001
             self.store.set(k + f"part/{self.node}", f"error: {type(e).__name__}: {e}")
@@ -220,3 +222,33 @@ class PersistRounds:
             raise RuntimeError(f"stopped while waiting for {key}")
         raw = self.store.get(key)
         return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _check_visible(url: str, step: int, parts: List[Dict[str, Any]]) -> None:
+    """Refuse to finalize ``step`` unless every file the other nodes wrote is visible, whole,
+    at the leader's ``url``.  Storage that is not shared (each machine's own local path, e.g.
+    the default ``<run-dir>/checkpoints`` on a node-local disk) would otherwise give a step
+    that looks complete and that no machine can read."""
+    import fsspec
+
+    need: Dict[str, Tuple[int, int, str]] = {}  # file -> (bytes it must hold, node, url)
+    for part in parts:
+        for entry in part["ranks"].values():
+            for e in [entry.get("meta"), *entry.get("tensors", [])]:
+                if e and e.get("file") and not e.get("alias"):
+                    end = int(e["offset"]) + int(e["length"])
+                    if end > need.get(e["file"], (0,))[0]:
+                        need[e["file"]] = (end, int(part["node"]), part.get("url", "?"))
+    if not need:
+        return
+    fs, path = fsspec.core.url_to_fs(storage.step_url(url, step))
+    fs.invalidate_cache(path)  # listings may be cached (s3fs): the files are new
+    have = {d["name"].rstrip("/").rsplit("/", 1)[-1]: int(d.get("size") or 0)
+            for d in fs.ls(path, detail=True)}
+    for name, (end, node, theirs) in sorted(need.items()):
+        if have.get(name, -1) < end:
+            raise storage.StorageError(
+                f"node {node} wrote {name} to {theirs}, but {storage.step_url(url, step)} has "
+                f"{'no such file' if name not in have else 'a shorter one'}: --persist-to "
+                "must be storage every machine shares")
+

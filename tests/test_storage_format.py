@@ -215,3 +215,26 @@ def test_s3_roundtrip_read_by_plain_dcp(s3_bucket):  # noqa: F811
     storage.write_step(url, 12, snapshots(12), world_size=2)
     assert storage.prune(url, keep=1) == [11]
     assert storage.newest_step(url) == 12
+
+
+def test_leader_refuses_a_step_whose_parts_it_cannot_see(tmp_path):
+    """Several machines with unshared --persist-to paths (e.g. each its own run dir on a local
+    disk): the leader must not finalize a step that no machine could read back."""
+    from ckptrun.persist_rounds import _check_visible
+
+    shared, elsewhere = str(tmp_path / "shared"), str(tmp_path / "node1-local")
+    snaps = snapshots(5, world_size=4)
+    part0 = storage.write_parts(shared, 5, {0: snaps[0], 1: snaps[1]}, node=0)
+    part1 = storage.write_parts(elsewhere, 5, {2: snaps[2], 3: snaps[3]}, node=1)
+    part1["url"] = elsewhere
+    with pytest.raises(StorageError, match="node 1 wrote __1_0.distcp to .*node1-local"):
+        _check_visible(shared, 5, [part1])
+    part1 = storage.write_parts(shared, 5, {2: snaps[2], 3: snaps[3]}, node=1)
+    with open(tmp_path / "shared" / "step-5" / "__1_0.distcp", "r+b") as f:
+        f.truncate(10)  # a torn copy is not "visible" either
+    with pytest.raises(StorageError, match="a shorter one"):
+        _check_visible(shared, 5, [part1])
+    part1 = storage.write_parts(shared, 5, {2: snaps[2], 3: snaps[3]}, node=1)
+    _check_visible(shared, 5, [part1])  # shared and whole: fine
+    storage.finalize(shared, 5, [part0, part1], world_size=4)
+    assert_same(storage.read_rank(shared, 5, 3), snaps[3])
