@@ -39,6 +39,7 @@ from ckptrun.protocol import (
     SlotState,
 )
 from ckptrun.slots import (
+    CopyPlan,
     SlotWrite,
     clone_fast,
     copy_into,
@@ -99,6 +100,7 @@ class Checkpointer:
         self.last_hash_s = 0.0  # the checksum's share of it
         self._closed = False
         self._adapters: Dict[Any, Any] = {}  # adapter objects (DDP unwrap, FSDP2 wrappers)
+        self._layout: Optional[_Layout] = None
         for opt in S.find_optimizers(self._view()):
             self._hook(opt)
 
@@ -117,15 +119,8 @@ class Checkpointer:
         for opt in fl.optimizers:
             self._hook(opt)
         tensors = [t for _, t in fl.items]
-        nbytes = [t.numel() * t.element_size() for t in tensors]
-        background = self.overlap and bool(fl.optimizers)
-        deferred = [i for i, d in enumerate(fl.deferrable) if d and background and nbytes[i]]
-        dset = set(deferred)
-        sync = [i for i in range(len(tensors)) if i not in dset]
-        offsets, data_len = layout(nbytes, sync + deferred)  # the sync part is hashed first
-        meta = S.make_meta(step, self.rank, self.world_size, fl.tree, fl.items, offsets,
-                           fl.shards)
-        mj = meta_bytes(meta)
+        lay = self._layout_of(fl, self.overlap and bool(fl.optimizers))
+        mj = S.meta_json(step, self.rank, self.world_size, fl.tree, lay.tensors_json)
         k = self._slots.choose(self._pin())
         if k is None:
             self.skipped_saves += 1
@@ -133,20 +128,24 @@ class Checkpointer:
             self._set_phase(Phase.RUNNING)
             return False
         try:
-            mm = self._slots.ensure(k, slot_size(len(mj), data_len), len(mj), data_len)
+            mm = self._slots.ensure(k, slot_size(len(mj), lay.data_len), len(mj), lay.data_len)
         except ShmTooSmall:
             self._ctl("fatal", 1)  # a restart cannot fix this: the agent stops the job
             raise
-        job = SlotWrite(mm, mj, tensors, offsets, data_len, step, self.rank, self.world_size)
+        job = SlotWrite(mm, mj, tensors, lay.offsets, lay.data_len, step, self.rank,
+                        self.world_size)
         job.begin()
         stream = self._copy_stream(tensors)
         if stream is not None:  # copies must see the kernels that produced the tensors
             stream.wait_stream(torch.cuda.current_stream())
-        job.copy(sync, stream)
-        if deferred:
-            self._pending = self._copier.submit(self._finish, job, k, deferred, stream)
+        job.copy(lay.sync, stream)
+        if lay.deferred:
+            plan = lay.plan
+            if plan is None or not plan.still_valid(tensors):
+                plan = lay.plan = CopyPlan(tensors, lay.offsets, lay.deferred, lay.sync_end)
+            self._pending = self._copier.submit(self._finish, job, k, plan, stream)
         else:
-            self._finish(job, k, [], stream)
+            self._finish(job, k, None, stream)
         self.last_block_s = time.perf_counter() - t0
         self._ctl("save_block_s", self.last_block_s)
         if self._persist is not None and self._persist.collective and self._persist.due(step):
@@ -229,9 +228,9 @@ class Checkpointer:
         full[self._rng_key] = S.capture_rng()
         return full
 
-    def _finish(self, job: SlotWrite, k: int, deferred: List[int], stream: Any) -> None:
+    def _finish(self, job: SlotWrite, k: int, deferred: Optional[CopyPlan], stream: Any) -> None:
         try:
-            if deferred:
+            if deferred is not None:
                 job.copy(deferred, stream)
             h = job.commit()
         except BaseException as e:  # the slot stays WRITING: ignored by every reader
@@ -252,6 +251,15 @@ class Checkpointer:
             # Its own thread: a slow store must not hold up the next optimizer step.  The
             # slot stays pinned (skipped by the writer) until the write is done.
             p.start_background(k, lambda slot: self._committed(slot, h.step))
+
+    def _layout_of(self, fl: S.Flattened, background: bool) -> _Layout:
+        """The slot layout of ``fl``: the previous save's while the state has the same
+        tensors (paths, dtypes, shapes) split the same way, else a new one."""
+        key = ([(p, t.dtype, t.shape) for p, t in fl.items], fl.deferrable, fl.shards, background)
+        lay = self._layout
+        if lay is None or lay.key != key:
+            lay = self._layout = _Layout(key, fl, background)
+        return lay
 
     def _committed(self, k: Optional[int], step: int) -> Optional[Tuple[dict, list]]:
         """``(meta, views)`` of slot ``k`` if it holds a committed ``step``, else None."""
@@ -342,6 +350,27 @@ class Checkpointer:
         if self._link is not None:
             block, local_rank = self._link
             block.beat(local_rank, step=step, phase=phase)
+
+
+class _Layout:
+    """Where each tensor of a flattened state goes in a slot, and the JSON of the meta's
+    tensor entries -- all a function of the tensors' paths, dtypes and shapes and of which
+    are copied in the background, so ``save()`` computes it once and keeps it until these
+    change (new parameters, optimizer state created by the first step, a load_state_dict
+    that brings other shapes).  The sync part is laid out (and hashed) first."""
+
+    def __init__(self, key: Any, fl: S.Flattened, background: bool) -> None:
+        self.key = key
+        nbytes = [t.numel() * t.element_size() for _, t in fl.items]
+        self.deferred = [i for i, d in enumerate(fl.deferrable) if d and background and nbytes[i]]
+        dset = set(self.deferred)
+        self.sync = [i for i in range(len(nbytes)) if i not in dset]
+        self.offsets, self.data_len = layout(nbytes, self.sync + self.deferred)
+        self.tensors_json = meta_bytes(S.tensor_entries(fl.items, self.offsets, fl.shards))
+        # where the sync part ends: the background copy goes on from there
+        self.sync_end = max((self.offsets[i] + nbytes[i] for i in self.sync if nbytes[i]),
+                            default=0)
+        self.plan: Optional[CopyPlan] = None  # of the background copy, kept while valid
 
 
 class _Copier:

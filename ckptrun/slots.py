@@ -68,9 +68,12 @@ def layout(nbytes: Sequence[int], order: Optional[Sequence[int]] = None) -> Tupl
     return offsets, pos
 
 
-def meta_bytes(meta: Dict[str, Any]) -> bytes:
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
+def meta_bytes(meta: Any) -> bytes:
     """The canonical JSON encoding of ``meta`` (the bytes that are stored and checksummed)."""
-    return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    return _JSON.encode(meta).encode()
 
 
 def slot_size(meta_len: int, data_len: int) -> int:
@@ -97,6 +100,83 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def clone_fast(src: torch.Tensor) -> torch.Tensor:
     """A private contiguous copy of ``src`` (see :func:`copy_into`)."""
     return copy_into(torch.empty(src.shape, dtype=src.dtype, device=src.device), src)
+
+
+_CAT, _MEMMOVE, _OTHER = 0, 1, 2
+
+
+class CopyPlan:
+    """How :meth:`SlotWrite.copy` moves tensors ``indices`` (offset order) into a slot whose
+    write is at ``start``: runs of small contiguous CPU tensors as one ``torch.cat`` of their
+    byte views (zero padding included) into the slot, then one checksum update -- two calls
+    that release the GIL, where a copy per tensor took several per tensor, each a hand-over
+    of the GIL between the background copy and the training thread; large tensors in
+    ``CHUNK`` pieces, each hashed right after it is copied (cache-hot); anything else (not
+    contiguous, on the GPU) with ``copy_``.
+
+    A plan holds views of the tensors' memory: :meth:`still_valid` says whether it may be
+    used again for another write of the same tensors (same storage, still contiguous).
+    """
+
+    def __init__(self, tensors: List[torch.Tensor], offsets: List[int],
+                 indices: Sequence[int], start: int) -> None:
+        self.start = start
+        self.threads = torch.get_num_threads()
+        # torch.cat runs a plain serial copy loop with one intra-op thread; with more, it
+        # would start a parallel region from the copying thread (see copy_into).
+        batching = self.threads == 1
+        idx = sorted(indices, key=lambda i: offsets[i])
+        self.gpu = [i for i in idx if tensors[i].device.type != "cpu" and _nbytes(tensors[i])]
+        self.ops: List[Tuple[int, int, Any]] = []
+        self.ptrs: List[Tuple[int, int, bool]] = []  # (index, data_ptr, cpu and contiguous)
+        batch: List[torch.Tensor] = []
+        bstart = pos = start  # where the batch starts; where the last tensor ends
+        for i in idx:
+            t, o = tensors[i], offsets[i]
+            n = _nbytes(t)
+            if n == 0:
+                continue
+            cpu = _raw(t)
+            self.ptrs.append((i, t.data_ptr(), cpu))
+            flat = _bytes_view(t) if batching and cpu and n < CHUNK else None
+            if flat is not None:
+                if batch and o + n - bstart > CHUNK:
+                    self.ops.append((_CAT, pos, batch))
+                    batch = []
+                if not batch:
+                    bstart = pos
+                if o > pos:
+                    batch.append(_zeros(o - pos))
+                batch.append(flat)
+            else:
+                if batch:
+                    self.ops.append((_CAT, pos, batch))
+                    batch = []
+                self.ops.append((_MEMMOVE if cpu else _OTHER, i, n))
+            pos = o + n
+        if batch:
+            self.ops.append((_CAT, pos, batch))
+
+    def still_valid(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether this plan copies ``tensors`` correctly: each is still at the same address,
+        on the CPU and contiguous where it was (dtypes and shapes are the caller's key)."""
+        if torch.get_num_threads() != self.threads:
+            return False
+        for i, ptr, cpu in self.ptrs:
+            t = tensors[i]
+            if t.data_ptr() != ptr or _raw(t) != cpu:
+                return False
+        return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _raw(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its values as they are: a contiguous CPU tensor without a
+    pending conjugation or negation (those go through ``copy_``, which applies them)."""
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 class SlotWrite:
@@ -136,42 +216,50 @@ class SlotWrite:
             self._data = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.data_len,
                                           offset=self.header.data_offset)
 
-    def copy(self, indices: Sequence[int], stream: Any = None) -> None:
-        """Copy (and checksum) the tensors ``indices``, which must continue the offset order.
+    def copy(self, indices: Any, stream: Any = None) -> None:
+        """Copy (and checksum) the tensors ``indices``, which must continue the offset order;
+        ``indices`` may be a :class:`CopyPlan` of them made for the current position.
 
         CUDA tensors are first copied with ``non_blocking`` on ``stream`` (the slot memory is
         pinned by the caller) and then hashed once the copies completed.
         """
         t0 = time.perf_counter()
-        idx = sorted(indices, key=lambda i: self.offsets[i])
-        gpu = [i for i in idx if self.tensors[i].device.type != "cpu" and self._nb(i)]
-        if gpu:
+        plan = indices if isinstance(indices, CopyPlan) else \
+            CopyPlan(self.tensors, self.offsets, indices, self._pos)
+        if plan.start != self._pos:
+            raise ValueError(f"ckptrun: copy plan starts at {plan.start}, the write is at "
+                             f"{self._pos}")
+        if plan.gpu:
             with torch.cuda.stream(stream) if stream is not None else _null():
-                for i in gpu:
+                for i in plan.gpu:
                     self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
             (stream or torch.cuda.current_stream()).synchronize()
-        for i in idx:
-            n = self._nb(i)
-            self._pad_to(self.offsets[i])
-            if n == 0:
+        for kind, a, b in plan.ops:
+            if kind == _CAT:  # b: byte views and zero padding that fill [self._pos, a)
+                torch.cat(b, out=self._data[self._pos:a])
+                self._hash_to(a)
                 continue
-            t = self.tensors[i]
-            o = self.offsets[i]
-            if t.device.type == "cpu" and t.is_contiguous():
-                base, sp = self._data.data_ptr() + o, t.data_ptr()
-                for a in range(0, n, CHUNK):
-                    b = min(n, a + CHUNK)
-                    ctypes.memmove(base + a, sp + a, b - a)  # GIL released, no intra-op pool
-                    th = time.perf_counter()
-                    self._hash.update(self._data[o + a:o + b].numpy())  # still cache-hot
-                    self.hash_s += time.perf_counter() - th
+            t, o = self.tensors[a], self.offsets[a]
+            self._pad_to(o)
+            if kind == _MEMMOVE:
+                dst, src = self._data.data_ptr() + o, t.data_ptr()
+                for x in range(0, b, CHUNK):
+                    y = min(b, x + CHUNK)
+                    ctypes.memmove(dst + x, src + x, y - x)  # GIL released, no intra-op pool
+                    self._hash_to(o + y)  # still cache-hot
             else:
                 if t.device.type == "cpu":
-                    self._typed_dst(i).copy_(t)
-                for a in range(0, n, CHUNK):
-                    self._hash.update(self._data[o + a:o + min(n, a + CHUNK)].numpy())
-            self._pos = o + n
+                    self._typed_dst(a).copy_(t)
+                self._hash_to(o + b)
         self.copy_s += time.perf_counter() - t0
+
+    def _hash_to(self, end: int) -> None:
+        """Hash the data bytes ``[self._pos, end)``, just written."""
+        th = time.perf_counter()
+        for a in range(self._pos, end, CHUNK):
+            self._hash.update(self._data[a:min(end, a + CHUNK)].numpy())
+        self._pos = end
+        self.hash_s += time.perf_counter() - th
 
     def commit(self) -> SlotHeader:
         """Finish the checksum and flip the header to COMMITTED (the commit point)."""
@@ -184,22 +272,32 @@ class SlotWrite:
         self._data = None
         return self.header
 
-    def _nb(self, i: int) -> int:
-        t = self.tensors[i]
-        return t.numel() * t.element_size()
-
     def _typed_dst(self, i: int) -> torch.Tensor:
         t = self.tensors[i]
         o = self.offsets[i]
-        raw = self._data[o:o + self._nb(i)]
+        raw = self._data[o:o + _nbytes(t)]
         return (raw if t.dtype == torch.uint8 else raw.view(t.dtype)).view(t.shape)
 
     def _pad_to(self, pos: int) -> None:
         if pos > self._pos:
-            gap = self._data[self._pos:pos]
-            gap.zero_()
-            self._hash.update(gap.numpy())
-            self._pos = pos
+            self._data[self._pos:pos].zero_()
+            self._hash_to(pos)
+
+
+_ZEROS = torch.zeros(ALIGN, dtype=torch.uint8)
+
+
+def _zeros(n: int) -> torch.Tensor:
+    """``n`` zero bytes (the padding in a batch; below ``ALIGN`` between adjacent tensors)."""
+    return _ZEROS[:n] if n <= ALIGN else torch.zeros(n, dtype=torch.uint8)
+
+
+def _bytes_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A contiguous CPU tensor's bytes as a flat uint8 view, or None where torch has none."""
+    try:
+        return t.detach().reshape(-1).view(torch.uint8)
+    except RuntimeError:
+        return None
 
 
 class _null:
