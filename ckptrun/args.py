@@ -29,6 +29,8 @@ _OWN_OPTIONS = [
     ("--replicas", "M", "copies of each node's snapshot in CPU memory, own included (default: 2)"),
     ("--hang-timeout", "SECONDS|auto", "no heartbeat for this long = hang (default: auto)"),
     ("--resume-from", "URL", "restore from this persisted checkpoint at first start"),
+    ("--snapshot-every", "N|auto", "memory snapshot every N steps, or auto: every step while "
+     "it costs <= 3%% of training time (CKPTRUN_SNAPSHOT_OVERHEAD), else every k-th (default: 1)"),
 ]
 _OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto"}
 FALSE = {"", "0", "false", "no", "off", "n", "f"}
@@ -200,11 +202,21 @@ def parse(argv: List[str]) -> AgentConfig:
         persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
         replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
         resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
+        snapshot_every=_snapshot_every(ns.snapshot_every),
     )
     from ckptrun.preflight import check_environment
 
     check_environment(cfg)
     return cfg
+
+
+def _snapshot_every(text: Optional[str]) -> str:
+    from ckptrun.interval import parse_every
+
+    try:
+        return parse_every(text or 1)[1]
+    except ValueError:
+        raise UsageError(f"--snapshot-every takes N steps or 'auto'; got {text!r}") from None
 
 
 def new_run_id() -> str:

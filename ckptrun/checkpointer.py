@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import torch
 
 from ckptrun import snapshot as S
 from ckptrun.heartbeat import worker_link
+from ckptrun.interval import SnapshotInterval
 from ckptrun.protocol import (
     DEFAULT_NUM_SLOTS,
     ENV_CONTROL,
@@ -38,13 +38,12 @@ from ckptrun.protocol import (
     Phase,
     SlotState,
 )
+from ckptrun.saving import Copier, Layout
 from ckptrun.slots import (
     CopyPlan,
     SlotWrite,
     clone_fast,
     copy_into,
-    layout,
-    meta_bytes,
     read_slot,
     slot_size,
     verify_slot,
@@ -65,7 +64,8 @@ class Checkpointer:
 
     def __init__(self, state: Dict[str, Any], *, persist_to: Optional[str] = None,
                  overlap: bool = True, capture_rng: bool = True,
-                 persist_every: Optional[int] = None, verify_restore: bool = True) -> None:
+                 persist_every: Optional[int] = None, verify_restore: bool = True,
+                 every: Any = None, overhead_budget: Any = None) -> None:
         if not isinstance(state, dict):
             raise TypeError("ckptrun.Checkpointer expects a dict of name -> state")
         self.state = state
@@ -88,7 +88,7 @@ class Checkpointer:
         if self._link is None and self.persist_to:
             self._persist = StandalonePersister(self.persist_to, persist_every, self.rank,
                                                 self.world_size)
-        self._copier = _Copier()
+        self._copier = Copier()
         self._pending: Optional[threading.Event] = None  # set when the background copy is done
         self._pending_error: Optional[BaseException] = None
         self._hooked: Dict[int, Any] = {}
@@ -100,18 +100,49 @@ class Checkpointer:
         self.last_hash_s = 0.0  # the checksum's share of it
         self._closed = False
         self._adapters: Dict[Any, Any] = {}  # adapter objects (DDP unwrap, FSDP2 wrappers)
-        self._layout: Optional[_Layout] = None
+        self._layout: Optional[Layout] = None
+        # every= N | "auto" (default CKPTRUN_SNAPSHOT_EVERY, else 1: every step, DESIGN)
+        self._interval = SnapshotInterval(every, overhead_budget, self.world_size)
+        self._last_step: Optional[int] = None  # the last step given to save() ...
+        self._last_snap: Optional[int] = None  # ... and the last one snapshotted
+        self._shown_every = 1 if self._interval.mode == "1" else 0  # reported to the agent
         for opt in S.find_optimizers(self._view()):
             self._hook(opt)
 
     # ------------------------------------------------------------------ public API
 
     def save(self, step: int) -> bool:
-        """Snapshot the state as ``step``; returns False when the save was skipped.
+        """Snapshot the state as ``step``; returns False when the save was skipped (no
+        free slot, or not a step of the snapshot interval; it is a heartbeat all the same).
 
         Returns as soon as the synchronous part is copied; parameters and optimizer state
         may still be copying (the next ``optimizer.step()`` waits for them).
         """
+        iv = self._interval
+        due = iv.due(step)
+        self._last_step = step
+        if iv.every != self._shown_every:  # interval mode: the agent shows and logs it
+            self._shown_every = iv.every
+            self._ctl("snapshot_every", iv.every)
+            self._ctl("snapshot_overhead", iv.overhead or 0.0)
+        if not due:
+            self._set_phase(Phase.RUNNING, step)
+            return False
+        self._last_snap = step
+        return self._snapshot(step)
+
+    @property
+    def every(self) -> int:
+        """The current snapshot interval in steps (1 = every step; changes under "auto")."""
+        return self._interval.every
+
+    @property
+    def snapshot_overhead(self) -> Optional[float]:
+        """Under ``every="auto"``: the measured share of training time that snapshots at
+        the current interval cost (None until measured)."""
+        return self._interval.overhead
+
+    def _snapshot(self, step: int) -> bool:
         t0 = time.perf_counter()
         self.wait()
         self._set_phase(Phase.SAVING, step)
@@ -176,6 +207,7 @@ class Checkpointer:
         self._ctl("restored_step", step)
         self._ctl("restore_s", dt)
         self._set_phase(Phase.RUNNING, step)
+        self._interval.restart()
         return step
 
     def wait(self) -> None:
@@ -192,6 +224,8 @@ class Checkpointer:
         """Wait for the last snapshot (and persist it when a durable URL is set)."""
         if self._closed:
             return
+        if self._last_step is not None and self._last_step != self._last_snap:
+            self._snapshot(self._last_step)  # interval mode: the final step, in memory too
         self.wait()
         if self._persist is not None:
             self._persist.join()
@@ -252,13 +286,13 @@ class Checkpointer:
             # slot stays pinned (skipped by the writer) until the write is done.
             p.start_background(k, lambda slot: self._committed(slot, h.step))
 
-    def _layout_of(self, fl: S.Flattened, background: bool) -> _Layout:
+    def _layout_of(self, fl: S.Flattened, background: bool) -> Layout:
         """The slot layout of ``fl``: the previous save's while the state has the same
         tensors (paths, dtypes, shapes) split the same way, else a new one."""
         key = ([(p, t.dtype, t.shape) for p, t in fl.items], fl.deferrable, fl.shards, background)
         lay = self._layout
         if lay is None or lay.key != key:
-            lay = self._layout = _Layout(key, fl, background)
+            lay = self._layout = Layout(key, fl, background)
         return lay
 
     def _committed(self, k: Optional[int], step: int) -> Optional[Tuple[dict, list]]:
@@ -350,59 +384,6 @@ class Checkpointer:
         if self._link is not None:
             block, local_rank = self._link
             block.beat(local_rank, step=step, phase=phase)
-
-
-class _Layout:
-    """Where each tensor of a flattened state goes in a slot, and the JSON of the meta's
-    tensor entries -- all a function of the tensors' paths, dtypes and shapes and of which
-    are copied in the background, so ``save()`` computes it once and keeps it until these
-    change (new parameters, optimizer state created by the first step, a load_state_dict
-    that brings other shapes).  The sync part is laid out (and hashed) first."""
-
-    def __init__(self, key: Any, fl: S.Flattened, background: bool) -> None:
-        self.key = key
-        nbytes = [t.numel() * t.element_size() for _, t in fl.items]
-        self.deferred = [i for i, d in enumerate(fl.deferrable) if d and background and nbytes[i]]
-        dset = set(self.deferred)
-        self.sync = [i for i in range(len(nbytes)) if i not in dset]
-        self.offsets, self.data_len = layout(nbytes, self.sync + self.deferred)
-        self.tensors_json = meta_bytes(S.tensor_entries(fl.items, self.offsets, fl.shards))
-        # where the sync part ends: the background copy goes on from there
-        self.sync_end = max((self.offsets[i] + nbytes[i] for i in self.sync if nbytes[i]),
-                            default=0)
-        self.plan: Optional[CopyPlan] = None  # of the background copy, kept while valid
-
-
-class _Copier:
-    """One long-lived background copy thread (starting a thread per save cost ~1 ms here)."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, fn: Any, *args: Any) -> threading.Event:
-        done = threading.Event()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="ckptrun-snapshot", daemon=True)
-            self._thread.start()
-        self._q.put((fn, args, done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args, done = item
-            try:
-                fn(*args)
-            finally:
-                done.set()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread = None
 
 
 def _overlaps(t: torch.Tensor, mm: Any) -> bool:

@@ -59,6 +59,7 @@ class AgentConfig:
     hang_timeout: Optional[float] = None  # None = auto
     resume_from: Optional[str] = None
     num_slots: int = 3
+    snapshot_every: str = "1"  # N or "auto" (workers read CKPTRUN_SNAPSHOT_EVERY)
 
     @property
     def nnodes_fixed(self) -> bool:
