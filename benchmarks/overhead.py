@@ -152,7 +152,7 @@ def overhead(ctx: Context) -> List[Row]:
                 notes.append(f"slowdown = median over {len(pairs)} adjacent off/on block pairs "
                              f"of {ALTERNATE} steps (min {min(pairs) * 100:.1f}%, max "
                              f"{max(pairs) * 100:.1f}%); steps/s is the whole run's")
-            if case["args"]:
+            if "--persist-every" in case["args"]:
                 persisted = statistics.median(s["persisted"] for s in good)
                 notes.append(f"{persisted:.0f} `persisted` events per run of {steps} steps")
                 if not persisted:
