@@ -14,7 +14,8 @@ How "auto" measures, without a clock that training noise would fool for long:
   competing with the next forward/backward for CPU, GIL and memory bandwidth); after a call
   that did not, it holds a plain step (the copy is always over before ``optimizer.step()``);
 * the snapshot cost is the difference of the medians of the two kinds (windows of the last
-  32 of each).  With k = 1 there are no plain steps, so one call in ``PROBE`` (then in
+  32 of each; the gap after the call that agreed on the interval, see below, is left out:
+  it holds the wait for the slowest rank).  With k = 1 there are no plain steps, so one call in ``PROBE`` (then in
   ``PROBE_LATER``, once enough plain steps were seen) skips its snapshot to measure one.
 
 Every rank must take snapshots at the same steps (a restore needs a step that all ranks
@@ -94,11 +95,13 @@ class SnapshotInterval:
         self._after_plain: deque = deque(maxlen=WINDOW)  # ... after a call without one
         self._plain_seen = 0
         self._cost: Optional[Tuple[float, float]] = None  # (snapshot cost, plain step) in s
+        self._agreed = False  # this call agreed on the interval: its gap is not a sample
         self._warned = False
 
     def restart(self) -> None:
         """After a restore: the next call snapshots (every rank restored the same step)."""
         self._prev = None
+        self._agreed = False
 
     def due(self, step: int) -> bool:
         if not self.auto and self.every == 1:
@@ -111,13 +114,16 @@ class SnapshotInterval:
         pstep, ptime, psnap = prev
         if self.auto and step > pstep:
             gap = (now - ptime) / (step - pstep)
-            if psnap:
+            if self._agreed:  # that gap holds the all_reduce (a wait for the slowest rank)
+                self._agreed = False
+            elif psnap:
                 self._after_snap.append(gap)
             else:
                 self._after_plain.append(gap)
                 self._plain_seen += 1
             if step // AGREE > pstep // AGREE:
                 self._agree(self._wanted())
+                self._agreed = True
         take = step // self.every > pstep // self.every
         if take and self.auto and self.every == 1:
             probe = PROBE if self._plain_seen < ENOUGH else PROBE_LATER

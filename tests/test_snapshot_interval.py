@@ -106,6 +106,17 @@ def test_ranks_agree_on_the_largest_interval(clock, monkeypatch):
     assert [s for s in taken[0] if s > 512] == [s for s in taken[1] if s > 512]
 
 
+def test_the_wait_in_the_agreement_is_not_taken_for_snapshot_cost(clock, monkeypatch):
+    def slow_max(value):  # the all_reduce waits for the slowest rank
+        clock.t += 100 * STEP
+        return value
+
+    monkeypatch.setattr(I, "_all_ranks_max", slow_max)
+    iv = I.SnapshotInterval(every="auto", budget=0.03, world_size=2)
+    drive(iv, clock, range(1, 4097), cost=0.5 * STEP)
+    assert iv.every == 32 and iv.overhead == pytest.approx(0.5 / 32)
+
+
 def test_auto_without_torch_distributed_snapshots_every_step(clock, capsys):
     iv = I.SnapshotInterval(every="auto", world_size=2)
     drive(iv, clock, range(1, 300), cost=STEP)
