@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ckptrun.snapshot import is_dtensor
+from ckptrun.snapshot import dtensor_class, is_dtensor
 
 
 def _dcp_sd():
@@ -27,7 +27,9 @@ def _dcp_sd():
 
 def is_sharded_module(x: Any) -> bool:
     """A module whose parameters include DTensors (FSDP2, tensor parallel)."""
-    return isinstance(x, torch.nn.Module) and any(is_dtensor(p) for p in x.parameters())
+    cls = dtensor_class()  # looked up once: this runs on every save()
+    return cls is not None and isinstance(x, torch.nn.Module) \
+        and any(isinstance(p, cls) for p in x.parameters())
 
 
 class ShardedModel:

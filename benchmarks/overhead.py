@@ -9,6 +9,8 @@ differs:
 * ``... + persist every N steps`` -- the same, and the agent persists every N steps
   (``--persist-every N``, DCP through fsspec to the run directory).
 
+* ``--snapshot-every auto`` -- ``save()`` every step, the launcher's adaptive interval
+  (``ckptrun.interval``): every step while that costs <= 3%, else every k-th step;
 * ``save() on/off in alternate blocks`` -- one run whose steps alternate in blocks of
   ``ALTERNATE``: without ``save()``, then with it; the slowdown is the median over
   adjacent (off, on) pairs -- both blocks of a pair see the same machine load, which on a
@@ -47,6 +49,7 @@ MODEL = ["--hidden", "512", "--layers", "4", "--batch", "64", "--state-mb", "0"]
 
 ALTERNATE = 10
 ALT_CASE = "ckptrun save() on/off in alternate blocks of one run"
+AUTO_CASE = "ckptrun save() every step, --snapshot-every auto (3% budget)"
 
 CASES: Dict[str, dict] = {
     "no checkpointing": dict(ckpt="none", args=[]),
@@ -54,6 +57,7 @@ CASES: Dict[str, dict] = {
     f"ckptrun save() every step + persist every {PERSIST_EVERY}":
         dict(ckpt="ckptrun", args=["--persist-every", str(PERSIST_EVERY)]),
     ALT_CASE: dict(ckpt="ckptrun", args=[], job=["--alternate", str(ALTERNATE)]),
+    AUTO_CASE: dict(ckpt="ckptrun", args=["--snapshot-every", "auto"]),
 }
 
 
@@ -101,12 +105,13 @@ def one_run(case: dict, steps: int, root: str) -> Dict[str, float]:
         if rate is None or not (out.rc == 0 or finished):
             return {"error": f"rc={out.rc} timed_out={out.timed_out}: {out.tail[-300:]}"}  # type: ignore[dict-item]
         persisted = sum(1 for e in out.events if e.get("event") == "persisted")
+        every = [e["every"] for e in out.events if e.get("event") == "snapshot_interval"]
         pairs = block_slowdowns(out) if case.get("job") else []
         if out.rc != 0:  # all steps done, then the job failed on the way out: keep, say so
             print(f"overhead: job exited {out.rc} after its last step: {out.tail[-200:]}")
         return {"steps_per_s": rate, "pairs": pairs, "exit_rc": out.rc,  # type: ignore[dict-item]
                 "opt_ms": _timing_ms(out, "opt_s"), "save_ms": _timing_ms(out, "save_s"), "persisted": persisted,
-                "shm_left": len(out.shm_left)}
+                "shm_left": len(out.shm_left), "every": every[-1] if every else None}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -147,13 +152,18 @@ def overhead(ctx: Context) -> List[Row]:
                 notes.append(f"slowdown = median over {len(pairs)} adjacent off/on block pairs "
                              f"of {ALTERNATE} steps (min {min(pairs) * 100:.1f}%, max "
                              f"{max(pairs) * 100:.1f}%); steps/s is the whole run's")
-            if case["args"]:
+            if "--persist-every" in case["args"]:
                 persisted = statistics.median(s["persisted"] for s in good)
                 notes.append(f"{persisted:.0f} `persisted` events per run of {steps} steps")
                 if not persisted:
                     row["persist_missing"] = True
                     notes.append("the agent persisted nothing: this row measures the same "
                                  "as the one above (see docs/performance.md)")
+            chosen = [s["every"] for s in good if s.get("every")]
+            if chosen:
+                row["every"] = max(chosen)
+                notes.append("snapshot interval chosen: every " + "/".join(map(str, chosen))
+                             + " steps (one per run)")
             bad_exit = sum(1 for s in good if s.get("exit_rc"))
             if bad_exit:
                 notes.append(f"{bad_exit} run(s) exited non-zero after their last step")

@@ -28,6 +28,7 @@ from ckptrun import protocol as P
 from ckptrun.config import AgentConfig
 from ckptrun.events import EventLog, ensure_run_dir, read_json, write_json_atomic
 from ckptrun.hang import HangDetector, dump_stacks, stacks_path
+from ckptrun.interval import ENV_EVERY
 from ckptrun.membership import (
     NodeLost,
     decide_restore,
@@ -83,6 +84,7 @@ class Agent:
         self.epoch = Epoch(0, 0)
         self.restore: Dict[str, object] = {"step": 0}
         self._last_status = 0.0
+        self._intervals: Dict[int, int] = {}  # rank -> snapshot interval last logged
 
     def run(self) -> int:
         code = 1
@@ -177,6 +179,8 @@ class Agent:
             })
             if cfg.persist_to:
                 env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
+            if cfg.snapshot_every != "1":
+                env[ENV_EVERY] = cfg.snapshot_every
             self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
         self.launcher.schedule_spares()
         self._started = True
@@ -253,6 +257,7 @@ class Agent:
                 self._fail(w, event="fatal", fatal=rec["fatal"])
                 return self.coord.report_fatal(self.epoch.attempt)
             restored.append(rec)
+            self._note_interval(w, rec)
             if code is not None:
                 continue
             self.hang.observe(w.local_rank, rec["beats"], rec["heartbeat"])
@@ -274,6 +279,15 @@ class Agent:
                                  seconds=round(max(r["restore_s"] for r in restored), 4))
         return None
 
+    def _note_interval(self, w, rec: dict) -> None:
+        """A worker snapshotting every N steps (``every=``/``--snapshot-every``): log each
+        interval it picks (under "auto" it changes with the measured cost)."""
+        every = rec["snapshot_every"]
+        if every and self._intervals.get(w.global_rank) != every:
+            self._intervals[w.global_rank] = every
+            self.events.emit("snapshot_interval", rank=w.global_rank, every=every,
+                             step=rec["step"], overhead=round(rec["snapshot_overhead"], 4))
+
     def _dump_stacks(self) -> None:
         targets = [(w.pid, w.bootstrapped, p, p) for w in self.workers if w.proc.poll() is None
                    for p in [stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)]]
@@ -293,6 +307,10 @@ class Agent:
         info = getattr(self, "info", None)
         recs = [self.control.record(w.local_rank) for w in self.workers]
         workers = [w.row(r, info.group_rank if info else 0, now) for w, r in zip(self.workers, recs)]
+        for row, r in zip(workers, recs):
+            if r["snapshot_every"]:  # interval mode (0: a snapshot at every step)
+                row.update(snapshot_every=r["snapshot_every"],
+                           snapshot_overhead=round(r["snapshot_overhead"], 4))
         committed = [r["committed_step"] for r in recs]
         slots = {str(w.global_rank): [p for k in range(cfg.num_slots) for p in
                                       [P.slot_path(self._slot_prefix(w.global_rank), k)]

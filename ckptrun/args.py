@@ -31,6 +31,8 @@ _OWN_OPTIONS = [
     ("--resume-from", "URL", "restore from this persisted checkpoint at first start"),
     ("--replication-rate", "MB/s", "cap on each agent's peer-replication traffic, MB/s; 0 = "
      "unpaced (default: 0)"),
+    ("--snapshot-every", "N|auto", "memory snapshot every N steps, or auto: every step while "
+     "it costs <= 3%% of training time (CKPTRUN_SNAPSHOT_OVERHEAD), else every k-th (default: 1)"),
 ]
 _OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto",
                  "replication_rate": "0"}
@@ -204,11 +206,21 @@ def parse(argv: List[str]) -> AgentConfig:
         replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
         resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
         replication_rate=parse_replication_rate(ns.replication_rate),
+        snapshot_every=_snapshot_every(ns.snapshot_every),
     )
     from ckptrun.preflight import check_environment
 
     check_environment(cfg)
     return cfg
+
+
+def _snapshot_every(text: Optional[str]) -> str:
+    from ckptrun.interval import parse_every
+
+    try:
+        return parse_every(text or 1)[1]
+    except ValueError:
+        raise UsageError(f"--snapshot-every takes N steps or 'auto'; got {text!r}") from None
 
 
 def new_run_id() -> str:

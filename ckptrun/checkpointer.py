@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import torch
 
 from ckptrun import snapshot as S
 from ckptrun.heartbeat import worker_link
+from ckptrun.interval import SnapshotInterval
 from ckptrun.protocol import (
     DEFAULT_NUM_SLOTS,
     ENV_CONTROL,
@@ -38,12 +38,12 @@ from ckptrun.protocol import (
     Phase,
     SlotState,
 )
+from ckptrun.saving import Copier, Layout
 from ckptrun.slots import (
+    CopyPlan,
     SlotWrite,
     clone_fast,
     copy_into,
-    layout,
-    meta_bytes,
     read_slot,
     slot_size,
     verify_slot,
@@ -64,7 +64,8 @@ class Checkpointer:
 
     def __init__(self, state: Dict[str, Any], *, persist_to: Optional[str] = None,
                  overlap: bool = True, capture_rng: bool = True,
-                 persist_every: Optional[int] = None, verify_restore: bool = True) -> None:
+                 persist_every: Optional[int] = None, verify_restore: bool = True,
+                 every: Any = None, overhead_budget: Any = None) -> None:
         if not isinstance(state, dict):
             raise TypeError("ckptrun.Checkpointer expects a dict of name -> state")
         self.state = state
@@ -87,7 +88,7 @@ class Checkpointer:
         if self._link is None and self.persist_to:
             self._persist = StandalonePersister(self.persist_to, persist_every, self.rank,
                                                 self.world_size)
-        self._copier = _Copier()
+        self._copier = Copier()
         self._pending: Optional[threading.Event] = None  # set when the background copy is done
         self._pending_error: Optional[BaseException] = None
         self._hooked: Dict[int, Any] = {}
@@ -99,17 +100,49 @@ class Checkpointer:
         self.last_hash_s = 0.0  # the checksum's share of it
         self._closed = False
         self._adapters: Dict[Any, Any] = {}  # adapter objects (DDP unwrap, FSDP2 wrappers)
+        self._layout: Optional[Layout] = None
+        # every= N | "auto" (default CKPTRUN_SNAPSHOT_EVERY, else 1: every step, DESIGN)
+        self._interval = SnapshotInterval(every, overhead_budget, self.world_size)
+        self._last_step: Optional[int] = None  # the last step given to save() ...
+        self._last_snap: Optional[int] = None  # ... and the last one snapshotted
+        self._shown_every = 1 if self._interval.mode == "1" else 0  # reported to the agent
         for opt in S.find_optimizers(self._view()):
             self._hook(opt)
 
     # ------------------------------------------------------------------ public API
 
     def save(self, step: int) -> bool:
-        """Snapshot the state as ``step``; returns False when the save was skipped.
+        """Snapshot the state as ``step``; returns False when the save was skipped (no
+        free slot, or not a step of the snapshot interval; it is a heartbeat all the same).
 
         Returns as soon as the synchronous part is copied; parameters and optimizer state
         may still be copying (the next ``optimizer.step()`` waits for them).
         """
+        iv = self._interval
+        due = iv.due(step)
+        self._last_step = step
+        if iv.every != self._shown_every:  # interval mode: the agent shows and logs it
+            self._shown_every = iv.every
+            self._ctl("snapshot_every", iv.every)
+            self._ctl("snapshot_overhead", iv.overhead or 0.0)
+        if not due:
+            self._set_phase(Phase.RUNNING, step)
+            return False
+        self._last_snap = step
+        return self._snapshot(step)
+
+    @property
+    def every(self) -> int:
+        """The current snapshot interval in steps (1 = every step; changes under "auto")."""
+        return self._interval.every
+
+    @property
+    def snapshot_overhead(self) -> Optional[float]:
+        """Under ``every="auto"``: the measured share of training time that snapshots at
+        the current interval cost (None until measured)."""
+        return self._interval.overhead
+
+    def _snapshot(self, step: int) -> bool:
         t0 = time.perf_counter()
         self.wait()
         self._set_phase(Phase.SAVING, step)
@@ -117,15 +150,8 @@ class Checkpointer:
         for opt in fl.optimizers:
             self._hook(opt)
         tensors = [t for _, t in fl.items]
-        nbytes = [t.numel() * t.element_size() for t in tensors]
-        background = self.overlap and bool(fl.optimizers)
-        deferred = [i for i, d in enumerate(fl.deferrable) if d and background and nbytes[i]]
-        dset = set(deferred)
-        sync = [i for i in range(len(tensors)) if i not in dset]
-        offsets, data_len = layout(nbytes, sync + deferred)  # the sync part is hashed first
-        meta = S.make_meta(step, self.rank, self.world_size, fl.tree, fl.items, offsets,
-                           fl.shards)
-        mj = meta_bytes(meta)
+        lay = self._layout_of(fl, self.overlap and bool(fl.optimizers))
+        mj = S.meta_json(step, self.rank, self.world_size, fl.tree, lay.tensors_json)
         k = self._slots.choose(self._pin())
         if k is None:
             self.skipped_saves += 1
@@ -133,20 +159,24 @@ class Checkpointer:
             self._set_phase(Phase.RUNNING)
             return False
         try:
-            mm = self._slots.ensure(k, slot_size(len(mj), data_len), len(mj), data_len)
+            mm = self._slots.ensure(k, slot_size(len(mj), lay.data_len), len(mj), lay.data_len)
         except ShmTooSmall:
             self._ctl("fatal", 1)  # a restart cannot fix this: the agent stops the job
             raise
-        job = SlotWrite(mm, mj, tensors, offsets, data_len, step, self.rank, self.world_size)
+        job = SlotWrite(mm, mj, tensors, lay.offsets, lay.data_len, step, self.rank,
+                        self.world_size)
         job.begin()
         stream = self._copy_stream(tensors)
         if stream is not None:  # copies must see the kernels that produced the tensors
             stream.wait_stream(torch.cuda.current_stream())
-        job.copy(sync, stream)
-        if deferred:
-            self._pending = self._copier.submit(self._finish, job, k, deferred, stream)
+        job.copy(lay.sync, stream)
+        if lay.deferred:
+            plan = lay.plan
+            if plan is None or not plan.still_valid(tensors):
+                plan = lay.plan = CopyPlan(tensors, lay.offsets, lay.deferred, lay.sync_end)
+            self._pending = self._copier.submit(self._finish, job, k, plan, stream)
         else:
-            self._finish(job, k, [], stream)
+            self._finish(job, k, None, stream)
         self.last_block_s = time.perf_counter() - t0
         self._ctl("save_block_s", self.last_block_s)
         if self._persist is not None and self._persist.collective and self._persist.due(step):
@@ -177,6 +207,7 @@ class Checkpointer:
         self._ctl("restored_step", step)
         self._ctl("restore_s", dt)
         self._set_phase(Phase.RUNNING, step)
+        self._interval.restart()
         return step
 
     def wait(self) -> None:
@@ -193,6 +224,8 @@ class Checkpointer:
         """Wait for the last snapshot (and persist it when a durable URL is set)."""
         if self._closed:
             return
+        if self._last_step is not None and self._last_step != self._last_snap:
+            self._snapshot(self._last_step)  # interval mode: the final step, in memory too
         self.wait()
         if self._persist is not None:
             self._persist.join()
@@ -229,9 +262,9 @@ class Checkpointer:
         full[self._rng_key] = S.capture_rng()
         return full
 
-    def _finish(self, job: SlotWrite, k: int, deferred: List[int], stream: Any) -> None:
+    def _finish(self, job: SlotWrite, k: int, deferred: Optional[CopyPlan], stream: Any) -> None:
         try:
-            if deferred:
+            if deferred is not None:
                 job.copy(deferred, stream)
             h = job.commit()
         except BaseException as e:  # the slot stays WRITING: ignored by every reader
@@ -252,6 +285,15 @@ class Checkpointer:
             # Its own thread: a slow store must not hold up the next optimizer step.  The
             # slot stays pinned (skipped by the writer) until the write is done.
             p.start_background(k, lambda slot: self._committed(slot, h.step))
+
+    def _layout_of(self, fl: S.Flattened, background: bool) -> Layout:
+        """The slot layout of ``fl``: the previous save's while the state has the same
+        tensors (paths, dtypes, shapes) split the same way, else a new one."""
+        key = ([(p, t.dtype, t.shape) for p, t in fl.items], fl.deferrable, fl.shards, background)
+        lay = self._layout
+        if lay is None or lay.key != key:
+            lay = self._layout = Layout(key, fl, background)
+        return lay
 
     def _committed(self, k: Optional[int], step: int) -> Optional[Tuple[dict, list]]:
         """``(meta, views)`` of slot ``k`` if it holds a committed ``step``, else None."""
@@ -342,38 +384,6 @@ class Checkpointer:
         if self._link is not None:
             block, local_rank = self._link
             block.beat(local_rank, step=step, phase=phase)
-
-
-class _Copier:
-    """One long-lived background copy thread (starting a thread per save cost ~1 ms here)."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, fn: Any, *args: Any) -> threading.Event:
-        done = threading.Event()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="ckptrun-snapshot", daemon=True)
-            self._thread.start()
-        self._q.put((fn, args, done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args, done = item
-            try:
-                fn(*args)
-            finally:
-                done.set()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread = None
 
 
 def _overlaps(t: torch.Tensor, mm: Any) -> bool:

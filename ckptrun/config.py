@@ -60,6 +60,7 @@ class AgentConfig:
     resume_from: Optional[str] = None
     replication_rate: Optional[float] = None  # bytes/s per agent; None = unpaced
     num_slots: int = 3
+    snapshot_every: str = "1"  # N or "auto" (workers read CKPTRUN_SNAPSHOT_EVERY)
 
     @property
     def nnodes_fixed(self) -> bool:

@@ -84,6 +84,10 @@ _FIELDS = {
     # Non-zero: the worker hit a configuration error (e.g. /dev/shm too small) that a
     # restart cannot fix; the agent stops the job with exit code 2 instead of restarting.
     "fatal": (112, "i"),
+    # Checkpointer(every=N|"auto"): the snapshot interval in steps (0: every step, the
+    # default) and, under "auto", the measured share of training time it costs.
+    "snapshot_every": (116, "i"),
+    "snapshot_overhead": (120, "d"),
 }
 
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ckptrun.copyplan import _CAT, _MEMMOVE, CHUNK, CopyPlan, _nbytes  # noqa: F401
 from ckptrun.protocol import (
     SLOT_HEADER_SIZE,
     SlotHeader,
@@ -29,7 +30,6 @@ from ckptrun.protocol import (
 )
 
 ALIGN = 64  # tensor start alignment: a cache line, and any dtype's element size
-CHUNK = 8 << 20  # copy granularity; each chunk is hashed right after it is copied (cache-hot)
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -68,9 +68,12 @@ def layout(nbytes: Sequence[int], order: Optional[Sequence[int]] = None) -> Tupl
     return offsets, pos
 
 
-def meta_bytes(meta: Dict[str, Any]) -> bytes:
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
+def meta_bytes(meta: Any) -> bytes:
     """The canonical JSON encoding of ``meta`` (the bytes that are stored and checksummed)."""
-    return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    return _JSON.encode(meta).encode()
 
 
 def slot_size(meta_len: int, data_len: int) -> int:
@@ -136,42 +139,50 @@ class SlotWrite:
             self._data = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.data_len,
                                           offset=self.header.data_offset)
 
-    def copy(self, indices: Sequence[int], stream: Any = None) -> None:
-        """Copy (and checksum) the tensors ``indices``, which must continue the offset order.
+    def copy(self, indices: Any, stream: Any = None) -> None:
+        """Copy (and checksum) the tensors ``indices``, which must continue the offset order;
+        ``indices`` may be a :class:`CopyPlan` of them made for the current position.
 
         CUDA tensors are first copied with ``non_blocking`` on ``stream`` (the slot memory is
         pinned by the caller) and then hashed once the copies completed.
         """
         t0 = time.perf_counter()
-        idx = sorted(indices, key=lambda i: self.offsets[i])
-        gpu = [i for i in idx if self.tensors[i].device.type != "cpu" and self._nb(i)]
-        if gpu:
+        plan = indices if isinstance(indices, CopyPlan) else \
+            CopyPlan(self.tensors, self.offsets, indices, self._pos)
+        if plan.start != self._pos:
+            raise ValueError(f"ckptrun: copy plan starts at {plan.start}, the write is at "
+                             f"{self._pos}")
+        if plan.gpu:
             with torch.cuda.stream(stream) if stream is not None else _null():
-                for i in gpu:
+                for i in plan.gpu:
                     self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
             (stream or torch.cuda.current_stream()).synchronize()
-        for i in idx:
-            n = self._nb(i)
-            self._pad_to(self.offsets[i])
-            if n == 0:
+        for kind, a, b in plan.ops:
+            if kind == _CAT:  # b: byte views and zero padding that fill [self._pos, a)
+                torch.cat(b, out=self._data[self._pos:a])
+                self._hash_to(a)
                 continue
-            t = self.tensors[i]
-            o = self.offsets[i]
-            if t.device.type == "cpu" and t.is_contiguous():
-                base, sp = self._data.data_ptr() + o, t.data_ptr()
-                for a in range(0, n, CHUNK):
-                    b = min(n, a + CHUNK)
-                    ctypes.memmove(base + a, sp + a, b - a)  # GIL released, no intra-op pool
-                    th = time.perf_counter()
-                    self._hash.update(self._data[o + a:o + b].numpy())  # still cache-hot
-                    self.hash_s += time.perf_counter() - th
+            t, o = self.tensors[a], self.offsets[a]
+            self._pad_to(o)
+            if kind == _MEMMOVE:
+                dst, src = self._data.data_ptr() + o, t.data_ptr()
+                for x in range(0, b, CHUNK):
+                    y = min(b, x + CHUNK)
+                    ctypes.memmove(dst + x, src + x, y - x)  # GIL released, no intra-op pool
+                    self._hash_to(o + y)  # still cache-hot
             else:
                 if t.device.type == "cpu":
-                    self._typed_dst(i).copy_(t)
-                for a in range(0, n, CHUNK):
-                    self._hash.update(self._data[o + a:o + min(n, a + CHUNK)].numpy())
-            self._pos = o + n
+                    self._typed_dst(a).copy_(t)
+                self._hash_to(o + b)
         self.copy_s += time.perf_counter() - t0
+
+    def _hash_to(self, end: int) -> None:
+        """Hash the data bytes ``[self._pos, end)``, just written."""
+        th = time.perf_counter()
+        for a in range(self._pos, end, CHUNK):
+            self._hash.update(self._data[a:min(end, a + CHUNK)].numpy())
+        self._pos = end
+        self.hash_s += time.perf_counter() - th
 
     def commit(self) -> SlotHeader:
         """Finish the checksum and flip the header to COMMITTED (the commit point)."""
@@ -184,22 +195,16 @@ class SlotWrite:
         self._data = None
         return self.header
 
-    def _nb(self, i: int) -> int:
-        t = self.tensors[i]
-        return t.numel() * t.element_size()
-
     def _typed_dst(self, i: int) -> torch.Tensor:
         t = self.tensors[i]
         o = self.offsets[i]
-        raw = self._data[o:o + self._nb(i)]
+        raw = self._data[o:o + _nbytes(t)]
         return (raw if t.dtype == torch.uint8 else raw.view(t.dtype)).view(t.shape)
 
     def _pad_to(self, pos: int) -> None:
         if pos > self._pos:
-            gap = self._data[self._pos:pos]
-            gap.zero_()
-            self._hash.update(gap.numpy())
-            self._pos = pos
+            self._data[self._pos:pos].zero_()
+            self._hash_to(pos)
 
 
 class _null:

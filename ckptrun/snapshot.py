@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import base64
 import math
-import random
 import sys
 import warnings
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
 
+from ckptrun.rng import DeferredRNG, capture_rng, restore_rng  # noqa: F401  (re-exported)
 from ckptrun.slots import (  # noqa: F401  (re-exported: the durable tier calls snapshot.*)
     dtype_from_name,
     dtype_name,
+    meta_bytes,
     read_slot,
     slot_checksum,
     verify_slot,
@@ -67,11 +69,11 @@ class Flattened:
             n += 1
             unique = f"{path}#{n}"
         self._paths.add(unique)
-        self.items.append((unique, t))
-        self.deferrable.append(deferrable)
         if tensor:
             self.tensor_paths.add(unique)
-        return len(self.items) - 1
+        self.items.append((unique, t))
+        self.deferrable.append(deferrable)
+        return len(self.deferrable) - 1
 
 
 def flatten(state: Any) -> Tuple[Any, List[Tuple[str, torch.Tensor]]]:
@@ -89,24 +91,27 @@ def flatten_state(state: Any) -> Flattened:
     fl = Flattened()
     fl.optimizers = find_optimizers(state)
     live: Set[int] = set()
+    cls = dtensor_class()
     for opt in fl.optimizers:
-        live.update(_ptr(p) for g in opt.param_groups for p in g["params"] if p.numel())
-        live.update(_ptr(t) for st in opt.state.values() for t in st.values()
-                    if isinstance(t, torch.Tensor) and t.numel())
+        ts = [p for g in opt.param_groups for p in g["params"]]
+        ts += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        live.update((t.to_local() if cls is not None and isinstance(t, cls) else t).data_ptr()
+                    for t in ts if t.numel())
     fl.tree = _enc(state, "", fl, live)
     return fl
 
 
-def is_dtensor(x: Any) -> bool:
-    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module:
-    if it was never imported, no DTensor exists)."""
+def dtensor_class() -> Any:
+    """``torch.distributed.tensor.DTensor``, or None while that module was never imported
+    (then no DTensor exists)."""
     mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module)."""
+    cls = dtensor_class()
     return cls is not None and isinstance(x, cls)
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.to_local().data_ptr() if is_dtensor(t) else t.data_ptr()
 
 
 def find_optimizers(x: Any, depth: int = 0) -> List[torch.optim.Optimizer]:
@@ -125,14 +130,52 @@ def find_optimizers(x: Any, depth: int = 0) -> List[torch.optim.Optimizer]:
     return found
 
 
+def _escape(k: str) -> str:
+    return k.replace("%", "%25").replace("/", "%2F")
+
+
 def _join(path: str, key: Any) -> str:
-    k = key if isinstance(key, str) else repr(key)
-    k = k.replace("%", "%25").replace("/", "%2F")
+    k = _escape(key if isinstance(key, str) else repr(key))
     return f"{path}/{k}" if path else k
 
 
 def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
-    """Encode ``x``; ``live`` holds the data pointers of deferrable tensors."""
+    """Encode ``x``; ``live`` holds the data pointers of deferrable tensors.
+
+    The exact types state dicts are made of (str/int keys, plain tensors and parameters,
+    lists) take a short path here -- ``save()`` runs this on every step; it returns what
+    :func:`_enc_any` returns for them."""
+    tx = type(x)
+    if tx is str or tx is int or tx is bool or x is None:
+        return x
+    if tx is dict or tx is OrderedDict:
+        out = []
+        for k, v in x.items():
+            tk = type(k)
+            if tk is str:
+                seg = k if "%" not in k and "/" not in k else _escape(k)
+                out.append([k, _enc(v, f"{path}/{seg}" if path else seg, fl, live)])
+            elif tk is int:
+                seg = repr(k)
+                out.append([k, _enc(v, f"{path}/{seg}" if path else seg, fl, live)])
+            else:
+                out.append([_enc_key(k, path), _enc(v, _join(path, k), fl, live)])
+        return {"d": out}
+    if tx is torch.Tensor or tx is torch.nn.Parameter:  # never a DTensor (a subclass)
+        if x.layout != torch.strided:
+            raise TypeError(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
+        deferrable = live is not None and x.numel() > 0 and x.data_ptr() in live
+        return {"T": fl.add(path, x.detach(), deferrable)}
+    if tx is float:
+        return x if math.isfinite(x) else {"f": repr(x)}
+    if tx is list or tx is tuple:
+        return {"l" if tx is list else "t": [_enc(v, f"{path}/{i}" if path else str(i), fl, live)
+                                             for i, v in enumerate(x)]}
+    return _enc_any(x, path, fl, live)
+
+
+def _enc_any(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
+    """The general encoder: every type :func:`_enc` accepts."""
     if x is None or isinstance(x, (bool, str)):
         return x
     if type(x) is int:
@@ -295,82 +338,41 @@ def load_into(target: Dict[Any, Any], restored: Dict[Any, Any]) -> None:
             target[k] = new
 
 
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng() -> Dict[str, Any]:
-    """The global RNG states: python, numpy, torch CPU and (when initialised) every CUDA device."""
-    rng: Dict[str, Any] = {
-        # 625 ints as a tensor rather than JSON: keeps the meta (built on every save) small.
-        "python": _py_rng_state(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = list(torch.cuda.get_rng_state_all())
-    return rng
-
-
-def _py_rng_state() -> Dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    return {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
-
-
-def restore_rng(rng: Dict[str, Any]) -> None:
-    """Set the global RNGs from :func:`capture_rng`'s result (after a round trip)."""
-    if "python" in rng:
-        v = rng["python"]
-        random.setstate((v["version"], tuple(int(x) for x in v["state"].tolist()), v["gauss"]))
-    if "numpy" in rng:
-        np.random.set_state(tuple(rng["numpy"]))
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"].clone())
-    if "cuda" in rng and torch.cuda.is_available():
-        states = rng["cuda"]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.clone() for s in states])
-
-
 # --------------------------------------------------------------------------- meta
 
 
-class DeferredRNG:
-    """The global RNG states as a state item whose restore is applied later, at a moment the
-    caller picks (framework adapters: after the framework seeded its own workers/loaders)."""
-
-    def __init__(self) -> None:
-        self.pending: Optional[Dict[str, Any]] = None
-
-    def state_dict(self) -> Dict[str, Any]:
-        return capture_rng()
-
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.pending = sd
-
-    def apply(self) -> None:
-        """Restore the states loaded last, once."""
-        if self.pending is not None:
-            restore_rng(self.pending)
-            self.pending = None
+def tensor_entries(items: List[Tuple[str, torch.Tensor]], offsets: List[int],
+                   shards: Optional[Dict[int, Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+    """``meta["tensors"]``: one entry per ``(path, tensor)`` at its offset in the slot data
+    area; ``shards`` (:attr:`Flattened.shards`) adds the DTensor layout fields."""
+    entries = [
+        {"path": p, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": int(o),
+         "nbytes": t.numel() * t.element_size()}
+        for (p, t), o in zip(items, offsets)
+    ]
+    for i, layout in (shards or {}).items():
+        entries[i].update(layout)
+    return entries
 
 
 def make_meta(step: int, rank: int, world_size: int, tree: Any,
               items: List[Tuple[str, torch.Tensor]], offsets: List[int],
               shards: Optional[Dict[int, Dict[str, Any]]] = None) -> Dict[str, Any]:
-    """The agreed ``meta`` dict for one rank's snapshot (offsets are in the slot data area).
-    ``shards`` (:attr:`Flattened.shards`) adds the DTensor layout fields to those tensors."""
-    meta = {
+    """The agreed ``meta`` dict for one rank's snapshot (offsets are in the slot data area)."""
+    return {
         "format": FORMAT,
         "step": int(step),
         "rank": int(rank),
         "world_size": int(world_size),
         "tree": tree,
-        "tensors": [
-            {"path": p, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": int(o),
-             "nbytes": t.numel() * t.element_size()}
-            for (p, t), o in zip(items, offsets)
-        ],
+        "tensors": tensor_entries(items, offsets, shards),
     }
-    for i, layout in (shards or {}).items():
-        meta["tensors"][i].update(layout)
-    return meta
+
+
+def meta_json(step: int, rank: int, world_size: int, tree: Any, tensors_json: bytes) -> bytes:
+    """``meta_bytes(make_meta(...))`` from the JSON of ``meta["tensors"]`` (its
+    :func:`~ckptrun.slots.meta_bytes` encoding, which ``save()`` keeps while the layout
+    stays the same): only the tree, which holds the plain values, is encoded again."""
+    return b"".join((b'{"format":%d,"step":%d,"rank":%d,"world_size":%d,"tree":'
+                     % (FORMAT, int(step), int(rank), int(world_size)),
+                     meta_bytes(tree), b',"tensors":', tensors_json, b"}"))

@@ -145,3 +145,22 @@ def test_resume_from_a_durable_checkpoint_in_a_new_run(tmp_path, reference):
     assert restored and restored[0] == {**restored[0], "tier": "storage", "step": 15}
     assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
     no_shm_left(run_dir)
+
+
+def test_snapshot_every_n_restores_the_last_snapshot_and_replays_bitwise(tmp_path, reference):
+    """``--snapshot-every 4``: a failure after step 14 goes back to step 12, every rank's
+    newest snapshot (ranks agree on the steps), and the replayed steps end bitwise equal."""
+    run_dir = str(tmp_path / "run")
+    proc = run_job(run_dir, str(tmp_path / "final.pt"), "--crash-at", "14",
+                   ckptrun_args=["--snapshot-every", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evts = events(run_dir)
+    intervals = of(evts, "snapshot_interval")
+    assert intervals and {e["every"] for e in intervals} == {4}, evts
+    with open(os.path.join(run_dir, "status.json")) as f:
+        assert {w.get("snapshot_every") for w in json.load(f)["workers"]} == {4}
+    restored = of(evts, "restored")
+    assert [(r["tier"], r["step"]) for r in restored] == [("memory", 12)], evts
+    assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
+    assert of(evts, "finished")[-1]["exit_code"] == 0
+    no_shm_left(run_dir)
