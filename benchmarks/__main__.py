@@ -91,6 +91,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
     for mod in SECTION_MODULES:
         importlib.import_module(mod)
     only = [s.strip() for s in args.only.split(",")] if args.only else None
+    os.makedirs(args.tmpdir, exist_ok=True)  # a scratch dir that does not exist yet is fine
     ctx = Context(sizes=sizes, reps=reps, quick=args.quick, tmpdir=args.tmpdir,
                   target=args.target or f"file://{os.path.abspath(args.tmpdir)}",
                   time_budget_s=150.0 if args.quick else 1200.0,
