@@ -92,8 +92,9 @@ def make_launch(case: dict, mb: int, work: str) -> Launch:
 
 
 def spares_warm(run_dir: str, nproc: int) -> bool:
-    """Whether ckptrun's warm spares are up: listed in ``status.json`` and each blocked
-    reading its "go" pipe (what a spare does once torch is imported and warmed up)."""
+    """Whether ckptrun's warm spares are up: listed in ``status.json`` and each asleep
+    waiting for its "go" message (in a pipe read or a select: what a spare does once torch
+    is imported and warmed up)."""
     try:
         with open(os.path.join(run_dir, "status.json")) as f:
             pids = json.load(f).get("spare_pids") or []
@@ -101,7 +102,7 @@ def spares_warm(run_dir: str, nproc: int) -> bool:
             return False
         for pid in pids:
             with open(f"/proc/{int(pid)}/wchan") as f:
-                if "pipe" not in f.read():
+                if not any(w in f.read() for w in ("pipe", "select", "poll")):
                     return False
         return True
     except (OSError, ValueError):

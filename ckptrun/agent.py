@@ -46,7 +46,8 @@ from ckptrun.rendezvous import (
     agent_base_env,
     torchrun_env,
 )
-from ckptrun.workers import Worker, WorkerLauncher, stop_workers
+from ckptrun.stopping import stop_workers, wait_for_exit
+from ckptrun.workers import Worker, WorkerLauncher
 
 
 class AgentSignal(Exception):
@@ -128,7 +129,8 @@ class Agent:
                 outcome = self._supervise()
             except NodeLost as lost:
                 outcome = lost
-            self._stop_group()
+            self._stop_group(restart=isinstance(outcome, NodeLost) or (
+                isinstance(outcome, Epoch) and outcome.state == RUN))
             if isinstance(outcome, NodeLost):
                 if not replace_nodes(self, outcome):
                     return 1
@@ -182,7 +184,8 @@ class Agent:
             if cfg.snapshot_every != "1":
                 env[ENV_EVERY] = cfg.snapshot_every
             self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
-        self.launcher.schedule_spares()
+        self.launcher.schedule_spares({lr: self._slot_prefix(rank)
+                                       for lr, rank in enumerate(self._ranks())})
         self._started = True
         self._call("attempt_started", attempt)
         self.state = "running"
@@ -196,8 +199,18 @@ class Agent:
                           if self.cfg.log_dir else os.path.join(self.run_dir, "logs"))
         return self._logs
 
-    def _stop_group(self) -> None:
-        stop_workers(self.workers, self.cfg.shutdown_timeout)
+    def _stop_group(self, restart: bool) -> None:
+        """Stop this attempt's workers.  For a restart, SIGKILL, once no snapshot copy is
+        under way (:meth:`_await_copies`): every snapshot is in agent-owned memory, so a
+        worker has nothing to flush, and the survivors of a crash or hang sit in a
+        collective with the dead rank, where a Python SIGTERM handler cannot run anyway --
+        a SIGTERM grace would only be waited out.  The job's final stop (budget spent,
+        fatal error, agent signalled) keeps SIGTERM and ``--shutdown-timeout``."""
+        if restart:
+            self._await_copies()
+            self.launcher.retire(self.workers)
+        else:
+            stop_workers(self.workers, self.cfg.shutdown_timeout)
         for w in self.workers:
             self.reaper.forget(w.pid)
             # every bootstrap opens its stacks file; keep only real dumps
@@ -205,6 +218,25 @@ class Agent:
             with contextlib.suppress(OSError):
                 if os.path.getsize(path) == 0:
                     os.unlink(path)
+
+    def _await_copies(self) -> None:
+        """Live workers in the middle of a snapshot (phase SAVING) may finish it before the
+        kill -- up to twice their last copy time, within ``--shutdown-timeout`` -- so that a
+        step every rank reached is not lost to it."""
+        busy = {w.local_rank: (w, self.control.record(w.local_rank)) for w in self.workers
+                if w.status() is None}
+        busy = {lr: wr for lr, wr in busy.items() if wr[1]["phase"] == P.Phase.SAVING}
+        if not busy:
+            return
+        limit = 0.1 + 2 * max(rec["save_copy_s"] for _, rec in busy.values())
+        deadline = time.monotonic() + min(self.cfg.shutdown_timeout, limit)
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.005)
+            for lr, (w, before) in list(busy.items()):
+                rec = self.control.record(lr)  # done: phase left SAVING, or a newer save began
+                if (rec["phase"] != P.Phase.SAVING or rec["beats"] != before["beats"]
+                        or w.status() is not None):
+                    del busy[lr]
 
     def _fail(self, w: Worker, **fields) -> None:
         rec = {"time": time.time(), "rank": w.global_rank, "local_rank": w.local_rank,
@@ -215,9 +247,11 @@ class Agent:
         """Watch the group until it is done ("done") or the epoch moves (new Epoch)."""
         attempt, marked_done = self.epoch.attempt, False
         while True:
-            time.sleep(self.cfg.monitor_interval)
+            wait_for_exit(self.workers, self.cfg.monitor_interval)
             self.launcher.tick()
-            codes = [w.proc.poll() for w in self.workers]
+            if self.memory is not None:
+                self.memory.warm(self._ranks())
+            codes = [w.status() for w in self.workers]
             failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
             if failed:
                 for w, c in failed:

@@ -19,8 +19,32 @@ import os
 import signal
 import sys
 import traceback
+from typing import Optional, Tuple
 
 _PR_SET_PDEATHSIG = 1
+SLOT_POLL_S = 1.0  # a waiting spare looks for new or grown slot files this often
+
+
+def _wait_for_go(fd: int, slots: Optional[Tuple[str, int]]) -> None:
+    """Block until the "go" message (or EOF) is readable.  A spare given its future rank's
+    slot files (``--slots PREFIX N``) maps them meanwhile, and again when one is replaced
+    or grows: the worker it becomes adopts the maps instead of pre-faulting them itself;
+    and it faults in heap memory for the state the worker will rebuild (``prefault``)."""
+    import select
+
+    if slots is None:
+        select.select([fd], [], [])
+        return
+    from ckptrun import prefault
+    from ckptrun.slotset import premap_slots, premapped_state_bytes
+
+    reserved = 0
+    while True:
+        premap_slots(*slots)
+        if not reserved:  # once the rank's state size is known (its first snapshot)
+            reserved = prefault.reserve(premapped_state_bytes())
+        if select.select([fd], [], [], SLOT_POLL_S)[0]:
+            return
 
 
 def _read_go(fd: int) -> bytes:
@@ -56,6 +80,15 @@ def _warm_up(go_fd: int) -> None:
         p.grad = torch.ones(4)
         opt.step()
         opt.zero_grad()
+    # and what a script restoring with ckptrun imports next (~40 ms at start-up otherwise);
+    # a spare that cannot must still serve (the script meets the same error itself)
+    try:
+        import ckptrun.checkpointer  # noqa: F401
+        from ckptrun.adapters import adapt_state
+
+        adapt_state({}, {})  # imports the state adapters Checkpointer applies (DDP, FSDP2)
+    except Exception:
+        pass
     # Everything torch allocated at import lives until exit: move it out of the collector's
     # sight.  Every later GC pass is cheaper, and the final collection at interpreter exit
     # drops from ~1 s to ~0.2 s here -- exit time that a hang detector would see as silence.
@@ -70,17 +103,21 @@ def _apply_env(env: dict, nice: int) -> None:
     if threads and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
     if os.getpriority(os.PRIO_PROCESS, 0) != nice:
-        # a niced spare becomes a full-priority worker (lowering needs privilege).  Linux
-        # nice values are per thread: the threads torch started during warm-up count too.
+        renice(os.getpid(), nice)  # a niced spare becomes a full-priority worker
+
+
+def renice(pid: int, nice: int) -> None:
+    """Set the nice value of every thread of ``pid`` (Linux nice values are per thread: the
+    threads torch started during warm-up count too); lowering it needs privilege."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
         try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:
-            tids = [0]
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except OSError:
-                pass
+            pass
 
 
 def _register_stack_dump(path: str):
@@ -125,13 +162,22 @@ def main() -> None:
     go_fd = int(args[args.index("--go-fd") + 1])
     if "--nice" in args:
         os.nice(int(args[args.index("--nice") + 1]))
+    slots = None
+    if "--slots" in args:
+        i = args.index("--slots")
+        slots = (args[i + 1], int(args[i + 2]))
     _warm_up(go_fd)
+    _wait_for_go(go_fd, slots)
     raw = _read_go(go_fd)
     if not raw:
         sys.exit(0)  # a spare that was not needed
     import json
 
     go = json.loads(raw)
+    if slots is not None:  # keep only the maps of the slots this worker will use
+        from ckptrun.slotset import drop_premapped
+
+        drop_premapped(go["env"].get("CKPTRUN_SLOT_PREFIX") or None)
     _apply_env(go["env"], go.get("nice", 0))
     stacks = os.environ.get("CKPTRUN_STACKS_FILE")
     if stacks:

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ckptrun import prefault
 from ckptrun import snapshot as S
 from ckptrun.heartbeat import worker_link
 from ckptrun.interval import SnapshotInterval
@@ -145,6 +146,7 @@ class Checkpointer:
     def _snapshot(self, step: int) -> bool:
         t0 = time.perf_counter()
         self.wait()
+        prefault.release()  # a restarted worker's start-up is over (no-op otherwise)
         self._set_phase(Phase.SAVING, step)
         fl = S.flatten_state(self._full_state())
         for opt in fl.optimizers:
@@ -189,7 +191,8 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         if self._link is not None:
-            step = int(json.loads(os.environ.get(ENV_RESTORE) or '{"step": 0}').get("step", 0))
+            plan = json.loads(os.environ.get(ENV_RESTORE) or '{"step": 0}')
+            step = int(plan.get("step", 0))
             if step <= 0:
                 self._ctl("restored_step", 0)
                 return 0
@@ -198,12 +201,14 @@ class Checkpointer:
             if k is None:
                 raise RuntimeError(f"ckptrun: rank {self.rank} has no committed slot for step "
                                    f"{step} that the agent asked to restore")
-            self._load_slot(k)
+            # "verified": the agent hashed this slot with every writer gone: no second pass
+            self._load_slot(k, verify=self.verify_restore and not plan.get("verified"))
         else:
             step = self._restore_standalone()
             if step <= 0:
                 return 0
         dt = time.perf_counter() - t0
+        prefault.release()  # the state is rebuilt: glibc trims again (no-op if not a spare)
         self._ctl("restored_step", step)
         self._ctl("restore_s", dt)
         self._set_phase(Phase.RUNNING, step)
@@ -307,7 +312,7 @@ class Checkpointer:
     def _restore_standalone(self) -> int:
         k = self._slots.newest()
         if k is not None:
-            return self._load_slot(k)
+            return self._load_slot(k, self.verify_restore)
         step = self._persist.newest() if self._persist is not None else None
         if not step:
             return 0
@@ -316,10 +321,10 @@ class Checkpointer:
         self._load(meta, tensors)
         return int(step)
 
-    def _load_slot(self, k: int) -> int:
+    def _load_slot(self, k: int, verify: bool) -> int:
         mm = self._slots.mms[k]
         h, meta, views = read_slot(mm)
-        if self.verify_restore and not verify_slot(mm, h):
+        if verify and not verify_slot(mm, h):
             raise RuntimeError(f"ckptrun: rank {self.rank}: slot {k} (step {h.step}) fails its "
                                "checksum; refusing to restore from it")
         # Nothing may keep pointing into the slot (optimizer.load_state_dict keeps the tensors

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ckptrun.kvstore import own_client
 from ckptrun.rendezvous import KEY_PREFIX, RUN, Epoch, JobCoordinator
@@ -234,12 +234,31 @@ def node_memory(job_token: str, num_slots: int):
     return None
 
 
-def verified_steps(memory, ranks: Iterable[int]) -> List[int]:
-    """Every step > 0 that all ``ranks`` hold committed here and whose checksums verify."""
-    ranks = list(ranks)
-    per_rank = [memory.steps(r) for r in ranks]
-    common = set.intersection(*(set(s) for s in per_rank)) if per_rank else set()
-    return sorted(s for s in common if s > 0 and all(memory.verify(r, s) for r in ranks))
+def memory_step(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
+                forced_step: Optional[int] = None) -> Optional[int]:
+    """The newest step every rank of the job holds in memory with a verified checksum.
+
+    A checksum is one pass over a rank's state, so only the candidate is verified, not
+    every slot: each node offers the steps all its ranks committed (headers only; not only
+    its newest: a node one step ahead may no longer hold the others' newest step), every
+    node verifies the newest common one (its ranks in parallel), and if a copy fails
+    anywhere that node drops the step and the round repeats with the next older one.
+    """
+    offered = set()
+    if memory is not None and ranks:
+        offered = set.intersection(*(set(memory.steps(r)) for r in ranks))
+        offered = {s for s in offered if s > 0 and forced_step in (None, s)}
+    rnd = 0
+    while True:
+        step = coord.agree_common_step(f"{attempt}/memory/{rnd}", sorted(offered))
+        if step is None:
+            return None
+        ok = memory.verify_all(ranks, step)
+        if coord.agree_restore_step(f"{attempt}/memory/{rnd}/ok", step if ok else None) == step:
+            return step
+        if not ok:
+            offered.discard(step)
+        rnd += 1
 
 
 def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
@@ -248,15 +267,10 @@ def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int
     can restore -- from memory, else from the tiers (peers, storage) -- agreed across nodes;
     then slots of an abandoned, newer timeline are dropped.  ``forced_step``: a rollback.
 
-    Memory: each node offers every step it verifies (not only its newest: a node one step
-    ahead may no longer hold the others' newest step), and the newest common one wins.
+    Memory: see :func:`memory_step`.  Its copies were verified just now, with every worker
+    stopped, so the workers need not hash them again (``"verified": true``).
     """
-    offered: List[int] = []
-    if memory is not None:
-        offered = verified_steps(memory, ranks)
-        if forced_step is not None:
-            offered = [s for s in offered if s == forced_step]
-    step, tier = coord.agree_common_step(f"{attempt}/memory", offered), "memory"
+    step, tier = memory_step(memory, ranks, coord, attempt, forced_step), "memory"
     for i, ext in enumerate(t for t in tiers if hasattr(t, "restore_step")):
         if step:
             break
@@ -269,5 +283,5 @@ def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int
     if step and step > 0:
         if memory is not None:
             memory.discard_newer(ranks, step)
-        return {"step": step, "tier": tier}
+        return {"step": step, "tier": tier, **({"verified": True} if tier == "memory" else {})}
     return {"step": 0}

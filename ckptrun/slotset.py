@@ -15,6 +15,7 @@ from typing import Any, List, Optional
 from ckptrun.protocol import (
     PAGE,
     SHM_DIR,
+    ShmMaps,
     SlotHeader,
     SlotState,
     create_shm_file,
@@ -24,6 +25,10 @@ from ckptrun.protocol import (
 )
 
 MiB = 1 << 20
+
+# Slot files a warm spare mapped while it waited (``premap_slots``): a restarted worker's
+# SlotSet adopts them instead of paying MAP_POPULATE for every slot on the restart path.
+_premapped = ShmMaps(write=True)
 
 
 class ShmTooSmall(RuntimeError):
@@ -64,7 +69,8 @@ class SlotSet:
             for k in range(num_slots):
                 if os.path.exists(slot_path(prefix, k)):  # a restart: earlier commits stay usable
                     try:
-                        self.mms[k] = open_shm_file(slot_path(prefix, k), populate=True)
+                        self.mms[k] = (_premapped.take(slot_path(prefix, k))
+                                       or open_shm_file(slot_path(prefix, k), populate=True))
                     except ValueError:  # an empty file: ensure() grows it in place
                         continue
                     self._pin(k)
@@ -200,3 +206,26 @@ class SlotSet:
             if self.mms[k] is not None:
                 self._release(self.mms[k])
                 self.mms[k] = None
+
+
+# ---------------------------------------------------------------------- warm spares
+
+
+def premap_slots(prefix: str, num_slots: int) -> None:
+    """Map and pre-fault the slot files ``<prefix><k>`` that exist now (again if one was
+    replaced or grew since).  Called by a warm spare while it waits, so that the worker it
+    becomes finds its slots ready."""
+    for k in range(num_slots):
+        _premapped.get(slot_path(prefix, k))
+
+
+def premapped_state_bytes() -> int:
+    """Data bytes of the largest committed snapshot among the spare's maps (0: none)."""
+    sizes = [h.data_len for h in (SlotHeader.unpack_from(mm) for _, mm in _premapped.items())
+             if h.state == SlotState.COMMITTED]
+    return max(sizes, default=0)
+
+
+def drop_premapped(keep_prefix: Optional[str] = None) -> None:
+    """Unmap the spare's maps, except those of the slots under ``keep_prefix``."""
+    _premapped.drop(lambda p: keep_prefix is None or not p.startswith(keep_prefix))

@@ -1,4 +1,5 @@
-"""Starting and stopping one node's worker group: environment, log routing, warm spares.
+"""Starting and stopping one node's worker group: environment, warm spares, restarts
+(log routing: ``worker_logs.py``).
 
 Why ``subprocess.Popen`` and not torch's ``start_processes``: torch's process context owns
 the whole life of a group (start, tail the logs, close) and gives no way to (a) make each
@@ -23,16 +24,26 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import psutil
 
+from ckptrun.bootstrap import renice
 from ckptrun.config import AgentConfig
+from ckptrun.stopping import (
+    PF_EXITING,
+    drain,
+    kill_trees,
+    maps_a_device,
+    stat_flags,
+    threads_exiting,
+)
+from ckptrun.worker_logs import Pump, StreamRoute, attach_pumps, stream_routes
 
 _PR_SET_PDEATHSIG = 1
+RETIRE_WAIT_S = 1.0  # longest wait for a killed group's threads to stop running user code
 try:  # resolved once here, in the parent: the child only calls it between fork and exec
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: orphans are left to the reaper
@@ -43,103 +54,6 @@ def _child_setup() -> None:
     """Runs in the child between fork and exec: die with the agent."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-# ---------------------------------------------------------------------------- logs
-
-_console_lock = threading.Lock()
-
-
-@dataclass
-class StreamRoute:
-    """Where one standard stream of one worker goes."""
-
-    to_file: bool  # write into <attempt dir>/<local_rank>/<name>.log
-    to_console: bool  # copy to the agent's console with ``prefix``
-    prefix: str = ""
-
-    @property
-    def piped(self) -> bool:
-        return self.to_file or (self.to_console and bool(self.prefix))
-
-    @property
-    def inherit(self) -> bool:
-        """Passed straight through to the agent's own stream (torchrun's default)."""
-        return self.to_console and not self.prefix and not self.to_file
-
-
-def _parse_std(spec: str, nproc: int) -> Dict[int, int]:
-    from torch.distributed.elastic.multiprocessing.api import Std, to_map
-    return {k: int(v) for k, v in to_map(Std.from_str(spec), nproc).items()}
-
-
-def stream_routes(cfg: AgentConfig, local_rank: int, global_rank: int) -> Dict[str, StreamRoute]:
-    """torchrun's ``--redirects/--tee/--local-ranks-filter`` meaning, or ckptrun's default.
-
-    ckptrun's default (no log option given): both streams go to the run dir's log files and
-    to the console, each line prefixed ``[rank<N>]: ``.  With any torchrun log option the
-    torchrun rules apply, including its ``[<role><local_rank>]:`` tee header.
-    """
-    shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
-    explicit = bool(cfg.log_dir) or cfg.redirects not in ("0", "") or cfg.tee not in ("0", "")
-    routes = {}
-    if not explicit:
-        for name in ("stdout", "stderr"):
-            routes[name] = StreamRoute(True, shown, f"[rank{global_rank}]: ")
-        return routes
-    redirects = _parse_std(cfg.redirects or "0", cfg.nproc_per_node)[local_rank]
-    tee = _parse_std(cfg.tee or "0", cfg.nproc_per_node)[local_rank]
-    for name, bit in (("stdout", 1), ("stderr", 2)):
-        teed = bool(tee & bit)
-        to_file = bool(redirects & bit) or teed
-        to_console = shown and (teed or not to_file)
-        prefix = f"[{cfg.role}{local_rank}]:" if teed else ""
-        routes[name] = StreamRoute(to_file, to_console, prefix)
-    return routes
-
-
-class _Pump(threading.Thread):
-    """Copies a worker's pipe to its log file and/or the console, line by line."""
-
-    def __init__(self, fd: int, log: Optional[IO[bytes]], console: Optional[IO[bytes]],
-                 prefix: bytes):
-        super().__init__(daemon=True, name="ckptrun-log")
-        self.fd, self.log, self.console, self.prefix = fd, log, console, prefix
-
-    def run(self) -> None:
-        pending = b""
-        while True:
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            if self.log is not None:
-                self.log.write(chunk)
-                self.log.flush()
-            if self.console is not None:
-                lines = (pending + chunk).split(b"\n")
-                pending = lines.pop()
-                if lines:
-                    self._show(b"".join(self.prefix + ln + b"\n" for ln in lines))
-        if self.console is not None and pending:
-            self._show(self.prefix + pending + b"\n")
-        os.close(self.fd)
-        if self.log is not None:
-            self.log.close()
-
-    def _show(self, data: bytes) -> None:
-        with _console_lock:
-            try:
-                self.console.write(data)
-                self.console.flush()
-            except (OSError, ValueError):
-                pass  # console gone (agent output closed): keep writing the log file
-
-
-def _open_log(path: str) -> IO[bytes]:
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
 
 # ---------------------------------------------------------------------------- processes
@@ -155,9 +69,40 @@ class Worker:
     bootstrapped: bool  # runs ckptrun.bootstrap: has the faulthandler SIGUSR1 hook
     warm: bool  # was a pre-started spare
     started: float = field(default_factory=time.monotonic)
-    pumps: List[_Pump] = field(default_factory=list)
+    pumps: List[Pump] = field(default_factory=list)
+    stat_fd: int = -1  # /proc/<pid>/stat, kept open; -1 where there is none
 
     pid = property(lambda self: self.proc.pid)
+
+    def __post_init__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.stat_fd = os.open(f"/proc/{self.proc.pid}/stat", os.O_RDONLY)
+
+    def status(self) -> Optional[int]:
+        """Like ``proc.poll()``, but a worker that has begun to exit *with a failure*
+        counts as exited with it (:meth:`failing`)."""
+        code = self.proc.poll()
+        return code if code is not None else self.failing()
+
+    def failing(self) -> Optional[int]:
+        """The exit status (``proc.returncode`` encoding) of a worker that has begun to
+        exit with a failure, else None.  The kernel frees a dead process's memory before it
+        can be reaped (~0.15 s per 256 MiB here); its exit status and PF_EXITING are in
+        ``/proc/<pid>/stat`` from the start, so a crash is acted on while that runs."""
+        if self.stat_fd < 0:
+            return None
+        try:
+            flags, status = stat_flags(os.pread(self.stat_fd, 4096, 0))
+        except (OSError, ValueError, IndexError):
+            return None
+        if not flags & PF_EXITING or status == 0:
+            return None  # running, or a clean exit: that one is taken when reaped
+        return -(status & 0x7F) if status & 0x7F else status >> 8  # waitpid encoding
+
+    def close(self) -> None:
+        if self.stat_fd >= 0:
+            os.close(self.stat_fd)
+            self.stat_fd = -1
 
     def row(self, rec: dict, node: int, now: float) -> dict:
         """This worker in ``status.json`` (``rec``: its control-block record)."""
@@ -176,10 +121,11 @@ class _Spare:
     pipes: Dict[str, Optional[int]]  # read ends of stdout/stderr, None when inherited
 
 
-def _bootstrap_argv(go_fd: int, nice: int = 0) -> List[str]:
+def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None) -> List[str]:
     python = os.getenv("PYTHON_EXEC", sys.executable)
     argv = [python, "-u", "-m", "ckptrun.bootstrap", "--go-fd", str(go_fd)]
-    return argv + (["--nice", str(nice)] if nice else [])
+    argv += ["--nice", str(nice)] if nice else []
+    return argv + (["--slots", slots[0], str(slots[1])] if slots else [])
 
 
 def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
@@ -213,23 +159,6 @@ def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
     return proc, reads
 
 
-def _attach_pumps(reads: Dict[str, Optional[int]], routes: Dict[str, StreamRoute],
-                  log_dir: str) -> List[_Pump]:
-    pumps = []
-    for name, fd in reads.items():
-        if fd is None:
-            continue
-        r = routes[name]
-        log = _open_log(os.path.join(log_dir, f"{name}.log")) if r.to_file else None
-        console = None
-        if r.to_console:
-            console = (sys.stdout if name == "stdout" else sys.stderr).buffer
-        pump = _Pump(fd, log, console, r.prefix.encode())
-        pump.start()
-        pumps.append(pump)
-    return pumps
-
-
 def go_message(cfg: AgentConfig, env: Dict[str, str], argv: List[str]) -> bytes:
     """The JSON a bootstrap waits for: what ``python [-m] script args`` would have run."""
     kind = "module" if cfg.module else "script"
@@ -255,6 +184,8 @@ class WorkerLauncher:
         self.on_spawn = on_spawn or (lambda pid: None)  # tells the reaper
         self._spares: Dict[int, _Spare] = {}
         self._spares_due: Optional[float] = None
+        self._spare_slots: Dict[int, str] = {}  # local rank -> slot prefix its spare maps
+        self._retired: List[Tuple[List[Worker], List[psutil.Process]]] = []  # dying groups
         self._spare_nice = 10 if os.geteuid() == 0 else 0  # only root can un-nice at "go"
 
     # -- starting ----------------------------------------------------------------------
@@ -268,24 +199,30 @@ class WorkerLauncher:
             proc, reads = _spawn([cfg.script, *script_args(cfg, local_rank)], env, routes)
             self.on_spawn(proc.pid)
             return Worker(local_rank, global_rank, proc, False, False,
-                          pumps=_attach_pumps(reads, routes, log_dir))
+                          pumps=attach_pumps(reads, routes, log_dir))
         argv = [cfg.script, *script_args(cfg, local_rank)]
         spare = self._take_spare(local_rank, routes)
         warm = spare is not None
         if spare is None:
             spare = self._spawn_bootstrap(local_rank, routes, env)
         msg = go_message(cfg, env, argv)
+        if warm and self._spare_nice:
+            # At full priority before it wakes: a niced spare waits behind every busy
+            # process for the CPU it needs to read "go" (~35 ms here under load).
+            renice(spare.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
         with contextlib.suppress(BrokenPipeError):  # died meanwhile: its exit code tells
             os.write(spare.go_fd, msg)  # < pipe buffer (64 KiB) for any sane environment
         os.close(spare.go_fd)
-        pumps = _attach_pumps(spare.pipes, routes, log_dir)
+        pumps = attach_pumps(spare.pipes, routes, log_dir)
         return Worker(local_rank, global_rank, spare.proc, True, warm, pumps=pumps)
 
     def _spawn_bootstrap(self, local_rank: int, routes: Dict[str, StreamRoute],
-                         env: Dict[str, str], nice: int = 0) -> _Spare:
+                         env: Dict[str, str], nice: int = 0,
+                         slots: Optional[tuple] = None) -> _Spare:
         rfd, wfd = os.pipe()
         try:
-            proc, reads = _spawn(_bootstrap_argv(rfd, nice), env, routes, pass_fds=(rfd,))
+            proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots), env, routes,
+                                 pass_fds=(rfd,))
         finally:
             os.close(rfd)
         os.set_inheritable(wfd, False)
@@ -293,13 +230,17 @@ class WorkerLauncher:
         return _Spare(local_rank, proc, wfd, reads)
 
     # -- warm spares -------------------------------------------------------------------
-    def schedule_spares(self) -> None:
-        """Called after a group starts: spares come up once the workers are past start-up."""
+    def schedule_spares(self, slot_prefixes: Optional[Dict[int, str]] = None) -> None:
+        """Called after a group starts: spares come up once the workers are past start-up.
+        ``slot_prefixes`` (local rank -> ``CKPTRUN_SLOT_PREFIX``): slot files each spare
+        maps ahead of need."""
         if self.use_spares:
             self._spares_due = time.monotonic() + self.spare_delay
+            self._spare_slots = dict(slot_prefixes or {})
 
     def tick(self) -> None:
-        """Main-thread housekeeping: start due spares, drop spares that died."""
+        """Main-thread housekeeping: start due spares, drop spares that died, reap."""
+        self._reap_retired()
         for lr, sp in list(self._spares.items()):
             if sp.proc.poll() is not None:
                 self._discard(lr)
@@ -310,8 +251,10 @@ class WorkerLauncher:
             if lr not in self._spares:
                 # a spare's rank is only known at "go": route as for the same local rank
                 routes = stream_routes(self.cfg, lr, lr)
+                prefix = self._spare_slots.get(lr)
+                slots = (prefix, self.cfg.num_slots) if prefix else None
                 self._spares[lr] = self._spawn_bootstrap(lr, routes, self.base_env,
-                                                         self._spare_nice)
+                                                         self._spare_nice, slots)
 
     def _take_spare(self, local_rank: int, routes: Dict[str, StreamRoute]) -> Optional[_Spare]:
         sp = self._spares.get(local_rank)
@@ -337,63 +280,31 @@ class WorkerLauncher:
         return [sp.proc.pid for sp in self._spares.values()]
 
     def close(self) -> None:
-        """Stop all spares (end of job)."""
+        """Stop all spares and reap retired groups (end of job)."""
         self._spares_due = None
         for lr in list(self._spares):
             self._discard(lr)
+        for workers, tree in self._retired:
+            drain(workers, tree)
+        self._retired = []
 
+    # -- retiring a group for a restart ------------------------------------------------
+    def retire(self, workers: List[Worker]) -> None:
+        """SIGKILL a group for a restart and return once none of its threads can run user
+        code -- write a slot -- any more (milliseconds), rather than once the kernel has
+        freed its memory (~0.15 s per 256 MiB here): that runs while the next attempt
+        starts, and :meth:`tick`/:meth:`close` reap them.  A group that mapped a device
+        (GPU) is reaped first: its device memory is only free once it is gone."""
+        device = any(maps_a_device(w.pid) for w in workers if w.proc.poll() is None)
+        tree = kill_trees([w.proc for w in workers], 0.0, reap=False)
+        deadline = time.monotonic() + RETIRE_WAIT_S
+        while not device and time.monotonic() < deadline:
+            if all(w.proc.poll() is not None or threads_exiting(w.pid) for w in workers):
+                self._retired.append((workers, tree))
+                return
+            time.sleep(0.002)
+        drain(workers, tree)  # a device, or a thread stuck in the kernel: wait it out
 
-# ---------------------------------------------------------------------------- stopping
-
-
-def _descendants(pid: int) -> List[psutil.Process]:
-    with contextlib.suppress(psutil.Error):
-        return psutil.Process(pid).children(recursive=True)
-    return []
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # the worker leads its own process group
-
-
-def kill_trees(procs: List[subprocess.Popen], grace: float,
-               sig: int = signal.SIGTERM) -> None:
-    """Stop processes and everything they started: ``sig``, up to ``grace`` s, then SIGKILL.
-
-    Descendants are listed *before* the first signal: once a worker is dead its children
-    are re-parented and can no longer be found from it.  Returns as soon as all are gone.
-    """
-    tree: List[psutil.Process] = []
-    for p in procs:
-        tree += _descendants(p.pid)
-    if grace > 0:
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, sig)
-                _signal_group(p, signal.SIGCONT)  # a stopped (hung) worker must see it
-        for d in tree:
-            with contextlib.suppress(psutil.Error):
-                d.send_signal(sig)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.01)
-    for p in procs:
-        tree += _descendants(p.pid)
-        _signal_group(p, signal.SIGKILL)
-    for d in tree:
-        with contextlib.suppress(psutil.Error):
-            d.kill()
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state)
-            p.wait(timeout=10)
-    psutil.wait_procs(tree, timeout=1)
-
-
-def stop_workers(workers: List[Worker], grace: float) -> None:
-    """Stop a group (SIGTERM, grace, SIGKILL) and wait until their logs are drained."""
-    kill_trees([w.proc for w in workers], grace)
-    for w in workers:
-        for pump in w.pumps:
-            pump.join(timeout=2)
-
+    def _reap_retired(self) -> None:
+        self._retired = [(ws, tree) for ws, tree in self._retired
+                         if not drain(ws, tree, block=False)]

@@ -22,14 +22,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_long_job(tmp_path, nproc: int = 2):
+def start_long_job(tmp_path, nproc: int = 2, agent_args=(), job_args=()):
     run_dir = str(tmp_path / "run")
     marks = str(tmp_path / "marks.jsonl")
     env = dict(os.environ, CKPTRUN_SPARE_DELAY="0.2")
     proc = subprocess.Popen(
         ckptrun_cmd("--standalone", "--nproc-per-node", str(nproc), "--run-dir", run_dir,
-                    TRAIN, "--steps", "100000", "--step-time", "0.1", "--grandchild",
-                    "--marks", marks),
+                    *agent_args, TRAIN, "--steps", "100000", "--step-time", "0.1",
+                    "--grandchild", "--marks", marks, *job_args),
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     status_path = os.path.join(run_dir, "status.json")
     deadline = time.monotonic() + 120
@@ -81,3 +81,15 @@ def test_agent_sigterm_stops_workers_exits_nonzero(tmp_path):
     assert evts[-1]["event"] == "finished" and evts[-1]["exit_code"] == rc
     assert json.load(open(os.path.join(run_dir, "status.json")))["state"] == "failed"
     assert not job_shm_files(run_dir)
+
+
+def test_agent_sigterm_gives_workers_sigterm_and_the_grace(tmp_path):
+    """The job's final stop (unlike a restart) sends SIGTERM first and waits
+    --shutdown-timeout before SIGKILL: each worker's handler ran."""
+    proc, run_dir, pids = start_long_job(tmp_path, agent_args=("--shutdown-timeout", "1"),
+                                         job_args=("--trap-sigterm",))
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert wait_gone(pids, 2.0) == []
+    recs = [json.loads(line) for line in open(tmp_path / "marks.jsonl")]
+    assert sorted(r["rank"] for r in recs if r["what"] == "sigterm") == [0, 1]

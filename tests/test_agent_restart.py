@@ -32,6 +32,36 @@ def test_sigkill_worker_is_restarted(tmp_path, ckptrun_run):
     assert not job_shm_files(run_dir)
 
 
+def test_crash_restart_kills_the_survivors_without_a_grace(tmp_path, ckptrun_run):
+    """A restart SIGKILLs the surviving workers at once: their snapshots are in agent
+    memory already, so a SIGTERM grace (here 600 s) would only delay the restart."""
+    run_dir, marks = str(tmp_path / "run"), str(tmp_path / "marks.jsonl")
+    p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "600",
+                    "--run-dir", run_dir, TRAIN, "--no-pg", "--steps", "100", "--crash-at", "3",
+                    "--trap-sigterm", "--marks", marks)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evts = run_events(run_dir)
+    assert [(e["rank"], e["signal"]) for e in of(evts, "worker_failed")] == [(1, "SIGKILL")]
+    assert [e["attempt"] for e in of(evts, "restart")] == [1]
+    assert "rank 0 done attempt 0" not in p.stdout  # rank 0 was stopped, not finished
+    recs = [json.loads(line) for line in open(marks)]
+    assert [r for r in recs if r["what"] == "sigterm"] == []
+
+
+def test_restart_lets_a_snapshot_copy_finish_before_the_kill(tmp_path, ckptrun_run):
+    """Rank 1 crashes while rank 0 is copying a snapshot (phase SAVING, most of its step):
+    the restart kills rank 0 only after that copy, never in the middle of one."""
+    run_dir, marks = str(tmp_path / "run"), str(tmp_path / "marks.jsonl")
+    p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--run-dir", run_dir, TRAIN,
+                    "--no-pg", "--steps", "4", "--step-time", "0.1", "--slow-save", "0.5",
+                    "--crash-at", "2", "--marks", marks)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in open(marks)]
+    steps = {what: [r["step"] for r in recs if r["what"] == what and r["rank"] == 0
+                    and r["attempt"] == 0] for what in ("saving", "saved")}
+    assert steps["saving"] and steps["saving"] == steps["saved"], steps
+
+
 def test_exception_in_worker_is_restarted(tmp_path, ckptrun_run):
     run_dir = str(tmp_path / "run")
     p = ckptrun_run("--standalone", "--nproc-per-node", "1", "--run-dir", run_dir, TRAIN,

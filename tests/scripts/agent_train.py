@@ -5,7 +5,9 @@ Flags: --steps N, --step-time S, --fail-rank R, and (first attempt only, on rank
 --exit-at K (sys.exit(3)), --fatal-at K (set the control block's fatal flag and sleep);
 --always-crash-at K crashes in every attempt.  --marks FILE appends timing marks (JSON lines):
 "start" when the script begins, "beat1" at the first heartbeat, "kill" just before a crash.
---no-pg skips the process group; --grandchild starts a ``sleep 300`` child (orphan tests).
+--no-pg skips the process group; --grandchild starts a ``sleep 300`` child (orphan tests);
+--trap-sigterm records a SIGTERM (a "sigterm" mark) and carries on; --slow-save S spends S
+seconds of every step in phase SAVING, between "saving" and "saved" marks (except on R).
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ def main() -> None:
     ap.add_argument("--marks", default="")
     ap.add_argument("--no-pg", action="store_true")
     ap.add_argument("--grandchild", action="store_true", help="start a `sleep` child process")
+    ap.add_argument("--trap-sigterm", action="store_true")
+    ap.add_argument("--slow-save", type=float, default=0.0)
     args = ap.parse_args()
     mark(args.marks, "start", t0=T0)
+    if args.trap_sigterm:
+        signal.signal(signal.SIGTERM, lambda *_: mark(args.marks, "sigterm"))
     if args.grandchild:
         import subprocess
 
@@ -63,6 +69,17 @@ def main() -> None:
         ckptrun.heartbeat(step)
         if step == 1:
             mark(args.marks, "beat1")
+        if args.slow_save and rank != args.fail_rank:  # a snapshot copy, to the agent
+            from ckptrun.heartbeat import worker_link
+            from ckptrun.protocol import Phase
+
+            block, lr = worker_link()
+            block.set(lr, "save_copy_s", args.slow_save)
+            ckptrun.heartbeat(step, phase=Phase.SAVING)
+            mark(args.marks, "saving", step=step)
+            time.sleep(args.slow_save)
+            mark(args.marks, "saved", step=step)
+            ckptrun.heartbeat(step)
         victim = rank == args.fail_rank
         if victim and step == args.always_crash_at:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,124 @@
+"""Where a worker's output goes: torchrun's ``--redirects/--tee/--local-ranks-filter`` (its
+``Std`` spec, log layout and line headers), or ckptrun's default (log files plus console
+lines prefixed ``[rank<N>]: ``), and the threads that copy the worker pipes there."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import IO, Dict, List, Optional
+
+from ckptrun.config import AgentConfig
+
+_console_lock = threading.Lock()
+
+
+@dataclass
+class StreamRoute:
+    """Where one standard stream of one worker goes."""
+
+    to_file: bool  # write into <attempt dir>/<local_rank>/<name>.log
+    to_console: bool  # copy to the agent's console with ``prefix``
+    prefix: str = ""
+
+    @property
+    def piped(self) -> bool:
+        return self.to_file or (self.to_console and bool(self.prefix))
+
+    @property
+    def inherit(self) -> bool:
+        """Passed straight through to the agent's own stream (torchrun's default)."""
+        return self.to_console and not self.prefix and not self.to_file
+
+
+def _parse_std(spec: str, nproc: int) -> Dict[int, int]:
+    from torch.distributed.elastic.multiprocessing.api import Std, to_map
+    return {k: int(v) for k, v in to_map(Std.from_str(spec), nproc).items()}
+
+
+def stream_routes(cfg: AgentConfig, local_rank: int, global_rank: int) -> Dict[str, StreamRoute]:
+    """torchrun's ``--redirects/--tee/--local-ranks-filter`` meaning, or ckptrun's default.
+
+    ckptrun's default (no log option given): both streams go to the run dir's log files and
+    to the console, each line prefixed ``[rank<N>]: ``.  With any torchrun log option the
+    torchrun rules apply, including its ``[<role><local_rank>]:`` tee header.
+    """
+    shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
+    explicit = bool(cfg.log_dir) or cfg.redirects not in ("0", "") or cfg.tee not in ("0", "")
+    routes = {}
+    if not explicit:
+        for name in ("stdout", "stderr"):
+            routes[name] = StreamRoute(True, shown, f"[rank{global_rank}]: ")
+        return routes
+    redirects = _parse_std(cfg.redirects or "0", cfg.nproc_per_node)[local_rank]
+    tee = _parse_std(cfg.tee or "0", cfg.nproc_per_node)[local_rank]
+    for name, bit in (("stdout", 1), ("stderr", 2)):
+        teed = bool(tee & bit)
+        to_file = bool(redirects & bit) or teed
+        to_console = shown and (teed or not to_file)
+        prefix = f"[{cfg.role}{local_rank}]:" if teed else ""
+        routes[name] = StreamRoute(to_file, to_console, prefix)
+    return routes
+
+
+class Pump(threading.Thread):
+    """Copies a worker's pipe to its log file and/or the console, line by line."""
+
+    def __init__(self, fd: int, log: Optional[IO[bytes]], console: Optional[IO[bytes]],
+                 prefix: bytes):
+        super().__init__(daemon=True, name="ckptrun-log")
+        self.fd, self.log, self.console, self.prefix = fd, log, console, prefix
+
+    def run(self) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            if self.log is not None:
+                self.log.write(chunk)
+                self.log.flush()
+            if self.console is not None:
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                if lines:
+                    self._show(b"".join(self.prefix + ln + b"\n" for ln in lines))
+        if self.console is not None and pending:
+            self._show(self.prefix + pending + b"\n")
+        os.close(self.fd)
+        if self.log is not None:
+            self.log.close()
+
+    def _show(self, data: bytes) -> None:
+        with _console_lock:
+            try:
+                self.console.write(data)
+                self.console.flush()
+            except (OSError, ValueError):
+                pass  # console gone (agent output closed): keep writing the log file
+
+
+def _open_log(path: str) -> IO[bytes]:
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
+def attach_pumps(reads: Dict[str, Optional[int]], routes: Dict[str, StreamRoute],
+                  log_dir: str) -> List[Pump]:
+    pumps = []
+    for name, fd in reads.items():
+        if fd is None:
+            continue
+        r = routes[name]
+        log = _open_log(os.path.join(log_dir, f"{name}.log")) if r.to_file else None
+        console = None
+        if r.to_console:
+            console = (sys.stdout if name == "stdout" else sys.stderr).buffer
+        pump = Pump(fd, log, console, r.prefix.encode())
+        pump.start()
+        pumps.append(pump)
+    return pumps
