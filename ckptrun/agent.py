@@ -46,8 +46,7 @@ from ckptrun.rendezvous import (
     agent_base_env,
     torchrun_env,
 )
-from ckptrun.stopping import stop_workers, wait_for_exit
-from ckptrun.workers import Worker, WorkerLauncher
+from ckptrun.workers import Worker, WorkerLauncher, stop_workers, wait_for_exit
 
 
 class AgentSignal(Exception):
@@ -129,8 +128,7 @@ class Agent:
                 outcome = self._supervise()
             except NodeLost as lost:
                 outcome = lost
-            self._stop_group(restart=isinstance(outcome, NodeLost) or (
-                isinstance(outcome, Epoch) and outcome.state == RUN))
+            self._stop_group(isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN)
             if isinstance(outcome, NodeLost):
                 if not replace_nodes(self, outcome):
                     return 1
@@ -200,12 +198,8 @@ class Agent:
         return self._logs
 
     def _stop_group(self, restart: bool) -> None:
-        """Stop this attempt's workers.  For a restart, SIGKILL, once no snapshot copy is
-        under way (:meth:`_await_copies`): every snapshot is in agent-owned memory, so a
-        worker has nothing to flush, and the survivors of a crash or hang sit in a
-        collective with the dead rank, where a Python SIGTERM handler cannot run anyway --
-        a SIGTERM grace would only be waited out.  The job's final stop (budget spent,
-        fatal error, agent signalled) keeps SIGTERM and ``--shutdown-timeout``."""
+        """A restart SIGKILLs once no snapshot copy is under way (snapshots are in agent memory;
+        survivors sit in a collective where no handler runs); a final stop SIGTERMs first."""
         if restart:
             self._await_copies()
             self.launcher.retire(self.workers)
@@ -220,15 +214,11 @@ class Agent:
                     os.unlink(path)
 
     def _await_copies(self) -> None:
-        """Live workers in the middle of a snapshot (phase SAVING) may finish it before the
-        kill -- up to twice their last copy time, within ``--shutdown-timeout`` -- so that a
-        step every rank reached is not lost to it."""
-        busy = {w.local_rank: (w, self.control.record(w.local_rank)) for w in self.workers
-                if w.status() is None}
-        busy = {lr: wr for lr, wr in busy.items() if wr[1]["phase"] == P.Phase.SAVING}
-        if not busy:
-            return
-        limit = 0.1 + 2 * max(rec["save_copy_s"] for _, rec in busy.values())
+        """Live workers in the middle of a snapshot (phase SAVING) may finish it first (up to
+        2x their last copy time, within ``--shutdown-timeout``): no step lost to the kill."""
+        busy = {w.local_rank: (w, rec) for w in self.workers if w.status() is None
+                for rec in [self.control.record(w.local_rank)] if rec["phase"] == P.Phase.SAVING}
+        limit = 0.1 + 2 * max([rec["save_copy_s"] for _, rec in busy.values()], default=0.0)
         deadline = time.monotonic() + min(self.cfg.shutdown_timeout, limit)
         while busy and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -32,13 +32,15 @@ import psutil
 
 from ckptrun.bootstrap import renice
 from ckptrun.config import AgentConfig
-from ckptrun.stopping import (
+from ckptrun.stopping import (  # noqa: F401  (for the agent)
     PF_EXITING,
     drain,
     kill_trees,
     maps_a_device,
     stat_flags,
+    stop_workers,
     threads_exiting,
+    wait_for_exit,
 )
 from ckptrun.worker_logs import Pump, StreamRoute, attach_pumps, stream_routes
 
