@@ -102,8 +102,9 @@ def spares_warm(run_dir: str, nproc: int) -> bool:
             return False
         for pid in pids:
             with open(f"/proc/{int(pid)}/wchan") as f:
-                if not any(w in f.read() for w in ("pipe", "select", "poll")):
-                    return False
+                wchan = f.read()
+            if not any(w in wchan for w in ("pipe", "select", "poll")):
+                return False
         return True
     except (OSError, ValueError):
         return False
