@@ -107,7 +107,14 @@ def kill_group(proc: subprocess.Popen) -> None:
 
     The SIGKILL goes to the group even when the launcher itself exited on the SIGTERM: a
     launcher that orphans its workers (torchrun does) leaves a SIGSTOPped worker behind,
-    which never acts on a SIGTERM."""
+    which never acts on a SIGTERM.  torch's launcher starts each worker in a session of its
+    own, outside the group: the launch's descendants are collected first and SIGKILLed too."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10.0)
@@ -116,7 +123,12 @@ def kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        return
+        pass
+    for p in family:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     try:
         proc.wait(5.0)
     except subprocess.TimeoutExpired:
