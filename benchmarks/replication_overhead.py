@@ -10,7 +10,9 @@ on localhost, one rank each (``benchmarks/machines.py``) -- with
   rounds, as fast as it can (the default: unpaced, normal CPU priority);
 * the same at low CPU priority (``CKPTRUN_REPLICATION_NICE=10``), to show what yielding
   the CPU to training buys on a machine whose cores training keeps busy;
-* the same paced with ``--replication-rate`` (a bandwidth cap).
+* the same paced with ``--replication-rate`` (a bandwidth cap);
+* the same with a CPU-time budget (``CKPTRUN_REPLICATION_BUDGET=5%``: rounds spaced so
+  that they take about 5% of the time).
 
 Runs are interleaved (one of each per round); the slowdown is the median over rounds of
 ``1 - steps/s ÷ steps/s of --replicas 1`` in the same round.  The table also says how
@@ -55,6 +57,8 @@ CASES: Dict[str, dict] = {
                                                      env={"CKPTRUN_REPLICATION_NICE": "10"}),
     f"--replicas 2 --replication-rate {PACED_MB_S:g}": dict(
         args=["--replicas", "2", "--replication-rate", f"{PACED_MB_S:g}"]),
+    "--replicas 2, CKPTRUN_REPLICATION_BUDGET=5%": dict(
+        args=["--replicas", "2"], env={"CKPTRUN_REPLICATION_BUDGET": "5%"}),
 }
 
 

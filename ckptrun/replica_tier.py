@@ -58,6 +58,30 @@ def replication_nice() -> int:
         return 0
 
 
+BUDGET_ENV = "CKPTRUN_REPLICATION_BUDGET"
+
+
+def replication_budget() -> Optional[float]:
+    """Share of wall time replication rounds may take (``CKPTRUN_REPLICATION_BUDGET``, e.g.
+    ``5%`` or ``0.05``); None (the default) runs rounds back to back.
+
+    With a budget, a round that took ``d`` seconds is followed by a pause of
+    ``d * (1 / budget - 1)``: on a machine whose cores are all training, the CPU that
+    rounds take (copy, checksums, sends, the peer's receive) is then about ``budget`` of
+    the time, at the price of peer copies that are more steps behind."""
+    raw = (os.environ.get(BUDGET_ENV) or "").strip()
+    try:
+        share = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw or 0)
+    except ValueError:
+        return None
+    return share if 0 < share < 1 else None
+
+
+def pause_after_round(round_s: float, budget: Optional[float]) -> float:
+    """Seconds to wait before the next round so that rounds take ``budget`` of the time."""
+    return 0.0 if budget is None else max(0.0, round_s) * (1.0 / budget - 1.0)
+
+
 def local_address(agent) -> str:
     """The address this node uses to reach the rendezvous endpoint (where peers reach it):
     ``--local-addr`` if given, else the interface that routes to the endpoint -- so a job
@@ -86,6 +110,7 @@ class ReplicaTier:
         self.copies = PeerStore(agent.token)
         self.secret = bytes.fromhex(self._agree_secret())
         self.nice = replication_nice()
+        self.budget = replication_budget()
         self.server = ReplicaServer(local_address(agent), self.secret, self.copies,
                                     on_refused=self._refused, local_copy=self._own_slot,
                                     put_nice=self.nice)
@@ -179,8 +204,12 @@ class ReplicaTier:
                 continue
             rnd += 1
             if self.replicated_step is None or step > self.replicated_step:
+                t_work = time.monotonic()
                 with self._busy:
                     self._replicate(step)
+                # only the copy and the pushes count: the agreement's wait is the peers'
+                # own pause, and counting it would make the pauses feed each other
+                self._stop.wait(pause_after_round(time.monotonic() - t_work, self.budget))
 
     def _newest_local(self) -> Optional[int]:
         """Newest step every local rank has committed (headers only: cheap)."""

@@ -368,3 +368,15 @@ def test_a_round_whose_step_is_gone_does_not_stop_later_rounds():
         assert tiers[0].replicated_step == 5 and tiers[1].copies.latest(0)[0] == 5
     finally:
         _close_tiers(tiers, agents)
+
+
+def test_replication_budget_spaces_rounds(monkeypatch):
+    from ckptrun.replica_tier import BUDGET_ENV, pause_after_round, replication_budget
+
+    for raw, want in [("", None), ("0", None), ("5%", 0.05), ("0.25", 0.25), ("1", None),
+                      ("x", None), ("150%", None)]:
+        monkeypatch.setenv(BUDGET_ENV, raw)
+        assert replication_budget() == want, raw
+    assert pause_after_round(0.02, None) == 0.0  # default: rounds back to back
+    assert abs(pause_after_round(0.02, 0.05) - 0.38) < 1e-9  # 20 ms of work in every 400 ms
+    assert pause_after_round(-1.0, 0.05) == 0.0
