@@ -243,8 +243,11 @@ def _check_visible(url: str, step: int, parts: List[Dict[str, Any]]) -> None:
         return
     fs, path = fsspec.core.url_to_fs(storage.step_url(url, step))
     fs.invalidate_cache(path)  # listings may be cached (s3fs): the files are new
-    have = {d["name"].rstrip("/").rsplit("/", 1)[-1]: int(d.get("size") or 0)
-            for d in fs.ls(path, detail=True)}
+    try:
+        listing = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        listing = []  # not even the step's directory: nothing of theirs is here
+    have = {d["name"].rstrip("/").rsplit("/", 1)[-1]: int(d.get("size") or 0) for d in listing}
     for name, (end, node, theirs) in sorted(need.items()):
         if have.get(name, -1) < end:
             raise storage.StorageError(

@@ -229,6 +229,8 @@ def test_leader_refuses_a_step_whose_parts_it_cannot_see(tmp_path):
     part1["url"] = elsewhere
     with pytest.raises(StorageError, match="node 1 wrote __1_0.distcp to .*node1-local"):
         _check_visible(shared, 5, [part1])
+    with pytest.raises(StorageError, match="no such file"):  # no step directory at all
+        _check_visible(str(tmp_path / "nowhere"), 5, [part1])
     part1 = storage.write_parts(shared, 5, {2: snaps[2], 3: snaps[3]}, node=1)
     with open(tmp_path / "shared" / "step-5" / "__1_0.distcp", "r+b") as f:
         f.truncate(10)  # a torn copy is not "visible" either
