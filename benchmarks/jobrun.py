@@ -179,3 +179,18 @@ def steps_per_s(outcome: Outcome, attempt: int, skip: int) -> Optional[float]:
         return None
     a, b = steps[skip], steps[-1]
     return (b["step"] - a["step"]) / (b["time"] - a["time"])
+
+
+def interleaved_rounds(names: List[str], reps: int, budget_s: float,
+                       run_one: Callable[[int, str], dict]) -> Dict[str, List[dict]]:
+    """``reps`` rounds of one sample per case (``run_one(round, name)``), round-robin so the
+    machine's load of the moment hits every case alike.  No new round starts once
+    ``budget_s`` has passed: fewer rounds rather than a blown budget (rows say how many)."""
+    samples: Dict[str, List[dict]] = {n: [] for n in names}
+    started = time.monotonic()
+    for rnd in range(reps):
+        if rnd and time.monotonic() - started > budget_s:
+            break
+        for name in names:
+            samples[name].append(run_one(rnd, name))
+    return samples

@@ -28,11 +28,10 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
-import time
 from typing import Dict, List
 
 from benchmarks import Context, Row, section
-from benchmarks.jobrun import Launch, Outcome, launch, steps_per_s
+from benchmarks.jobrun import Launch, Outcome, interleaved_rounds, launch, steps_per_s
 
 SKIP = 15
 PERSIST_EVERY = 20
@@ -123,14 +122,9 @@ def overhead(ctx: Context) -> List[Row]:
     steps = int(ctx.options.get("overhead_steps") or (120 if ctx.quick else 400))
     reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
     root = tempfile.mkdtemp(prefix="ckptrun-bench-overhead-", dir=ctx.tmpdir)
-    samples: Dict[str, List[Dict[str, float]]] = {n: [] for n in CASES}
-    started = time.monotonic()
     try:
-        for rnd in range(reps):
-            if rnd and time.monotonic() - started > ctx.time_budget_s:
-                break
-            for name, case in CASES.items():
-                samples[name].append(one_run(case, steps, root))
+        samples = interleaved_rounds(list(CASES), reps, ctx.time_budget_s,
+                                     lambda _rnd, name: one_run(CASES[name], steps, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows: List[Row] = []

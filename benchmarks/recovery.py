@@ -38,7 +38,7 @@ import time
 from typing import Dict, List, Optional
 
 from benchmarks import Context, Row, section
-from benchmarks.jobrun import Launch, Outcome, launch
+from benchmarks.jobrun import Launch, Outcome, interleaved_rounds, launch
 
 HANG_TIMEOUT_S = 2.0
 KILL_AT = 25  # the first failure step considered; later ones keep K = 5 (mod 10)
@@ -273,24 +273,23 @@ def recovery(ctx: Context) -> List[Row]:
     max_wait = 60.0  # for warm spares; a sample that had to give up says so
     reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
     root = tempfile.mkdtemp(prefix="ckptrun-bench-recovery-", dir=ctx.tmpdir)
-    samples: Dict[str, List[Dict[str, object]]] = {name: [] for name in CASES}
-    started = time.monotonic()
+
+    def one(rnd: int, name: str) -> Dict[str, object]:
+        case = CASES[name]
+        work = tempfile.mkdtemp(prefix=f"r{rnd}-", dir=root)
+        trigger = FailTrigger(work, case["launcher"], min_train, max_wait)
+        out = launch(make_launch(case, mb, work), work, timeout_s=max_wait + 90.0,
+                     stop_when=trigger)
+        sample = measure(out, case["failure"].startswith("hang"))
+        if trigger.fired_at is not None and trigger.training_since is not None:
+            sample["trained_s"] = trigger.fired_at - trigger.training_since
+        if trigger.warm is not None:
+            sample["spares_warm"] = trigger.warm
+        shutil.rmtree(work, ignore_errors=True)
+        return sample
+
     try:
-        for rnd in range(reps):
-            if rnd and time.monotonic() - started > ctx.time_budget_s:
-                break  # fewer rounds rather than blow the budget; ``reps`` says how many
-            for name, case in CASES.items():
-                work = tempfile.mkdtemp(prefix=f"r{rnd}-", dir=root)
-                trigger = FailTrigger(work, case["launcher"], min_train, max_wait)
-                out = launch(make_launch(case, mb, work), work, timeout_s=max_wait + 90.0,
-                             stop_when=trigger)
-                sample = measure(out, case["failure"].startswith("hang"))
-                if trigger.fired_at is not None and trigger.training_since is not None:
-                    sample["trained_s"] = trigger.fired_at - trigger.training_since
-                if trigger.warm is not None:
-                    sample["spares_warm"] = trigger.warm
-                samples[name].append(sample)
-                shutil.rmtree(work, ignore_errors=True)
+        samples = interleaved_rounds(list(CASES), reps, ctx.time_budget_s, one)
         rows = [_summary(name, case, mb, samples[name]) for name, case in CASES.items()]
         for row, case in zip(rows, CASES.values()):
             _judge(row, case["failure"].startswith("hang"))

@@ -34,7 +34,7 @@ import time
 from typing import Dict, List, Optional
 
 from benchmarks import Context, Row, section
-from benchmarks.jobrun import Outcome, read_logs, steps_per_s
+from benchmarks.jobrun import Outcome, interleaved_rounds, read_logs, steps_per_s
 from benchmarks.machines import start_job, teardown
 from benchmarks.overhead import MODEL, SKIP, state_bytes
 
@@ -122,14 +122,9 @@ def replication_overhead(ctx: Context) -> List[Row]:
     if ctx.quick:  # the low-priority and paced variants only in full runs
         cases = {k: v for i, (k, v) in enumerate(CASES.items()) if i < 2}
     root = tempfile.mkdtemp(prefix="ckptrun-bench-replov-", dir=ctx.tmpdir)
-    samples: Dict[str, List[Dict[str, object]]] = {n: [] for n in cases}
-    started = time.monotonic()
     try:
-        for rnd in range(reps):
-            if rnd and time.monotonic() - started > ctx.time_budget_s:
-                break
-            for name, case in cases.items():
-                samples[name].append(one_run(case, steps, root))
+        samples = interleaved_rounds(list(cases), reps, ctx.time_budget_s,
+                                     lambda _rnd, name: one_run(cases[name], steps, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows: List[Row] = []
