@@ -7,7 +7,10 @@ into one directory.  With ``private_shm`` (root and util-linux ``unshare`` neede
 on ``/dev/shm``, as ``tests/test_machine_loss.py`` does: killing a machine then loses
 every byte of memory it held, and nothing of it can be reached from the others except
 over the network.  Every machine is started in its own session, so the harness can kill
-it, and only it, whole.
+it, and only it, whole.  Workers run one OpenMP thread (``OMP_NUM_THREADS=1``, what torchrun
+sets for several processes per machine): a machine here is about one core, and two
+2-thread workers on these 2 cores would spin against each other, so that the numbers
+would be about OpenMP contention instead of ckptrun.
 
 Shared by the replication-overhead and machine-loss sections.
 """
@@ -73,7 +76,8 @@ class Machine:
         self.private_shm = private_shm
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONPATH=ROOT, **env),
+                                         env=dict(os.environ, PYTHONPATH=ROOT,
+                                                  **{"OMP_NUM_THREADS": "1", **env}),
                                          start_new_session=True)
         self.killed_at: Optional[float] = None
 

@@ -7,12 +7,12 @@ on localhost, one rank each (``benchmarks/machines.py``) -- with
 * ``--replicas 1``: every machine keeps its own snapshots only (no peer copies): the
   baseline;
 * ``--replicas 2``: each agent also copies its newest snapshot to the other machine in
-  rounds, as fast as it can (the default: unpaced, normal CPU priority);
-* the same at low CPU priority (``CKPTRUN_REPLICATION_NICE=10``), to show what yielding
-  the CPU to training buys on a machine whose cores training keeps busy;
-* the same paced with ``--replication-rate`` (a bandwidth cap);
-* the same with a CPU-time budget (``CKPTRUN_REPLICATION_BUDGET=5%``: rounds spaced so
-  that they take about 5% of the time).
+  rounds, paced by the default ``--replication-budget 5%``: the agents measure how much a
+  round slows their workers (heartbeat rate during rounds vs between them) and space the
+  rounds so that training loses at most 5% (``ckptrun/pacing.py``);
+* the same with ``--replication-budget 20%``, to show the knob;
+* ``--replication-budget off``: rounds back to back, as fast as the machine allows;
+* ``--replication-budget off --replication-rate 100``: back to back, with a bandwidth cap.
 
 Runs are interleaved (one of each per round); the slowdown is the median over rounds of
 ``1 - steps/s ÷ steps/s of --replicas 1`` in the same round.  The table also says how
@@ -20,9 +20,13 @@ often a snapshot got across: rounds per second from the agents' ``status.json``
 (``replication_rounds``), so "every N steps" is steps/s ÷ rounds/s, and the last round's
 duration and lag (newest local step − replicated step when it ended).
 
-Two agents and two ranks share the same two cores here, so every byte replicated costs
-training CPU time (copy, checksum, loopback TCP on both ends); on GPU machines the step
-waits on the GPU and replication uses cores and network bandwidth that training leaves.
+Two agents and two ranks share the same two cores here, and every machine's worker runs
+one OpenMP thread (``benchmarks/machines.py``: one core per "machine"), so every byte
+replicated costs training CPU time (copy, checksum, loopback TCP on both ends); on GPU
+machines the step waits on the GPU and replication uses cores and network bandwidth that
+training leaves -- the pacer then measures no slowdown and lets rounds run back to back.
+The table shows what the agents measured: the share of time rounds ran (``duty``) and how
+much a round slowed training while it ran.
 """
 
 from __future__ import annotations
@@ -47,18 +51,21 @@ COLUMNS = [("case", "case", "str"), ("state_bytes", "state/rank", "bytes"),
            ("slowdown_min", "slowdown min", "pct"), ("slowdown_max", "slowdown max", "pct"),
            ("rounds_per_s", "rounds/s", "float"), ("steps_per_round", "steps per round", "float"),
            ("round_ms", "last round ms", "float"), ("lag_steps", "lag (steps)", "float"),
+           ("duty", "share of time in rounds", "pct"),
+           ("round_cost", "slowdown while a round runs (measured)", "pct"),
            ("met", "≤ 5%", "str"), ("reps", "reps", "int"), ("note", "note", "str")]
 
 BASE = "--replicas 1 (no peer copies)"
 CASES: Dict[str, dict] = {
     BASE: dict(args=["--replicas", "1"]),
-    "--replicas 2 (default: unpaced)": dict(args=["--replicas", "2"]),
-    "--replicas 2, CKPTRUN_REPLICATION_NICE=10": dict(args=["--replicas", "2"],
-                                                     env={"CKPTRUN_REPLICATION_NICE": "10"}),
-    f"--replicas 2 --replication-rate {PACED_MB_S:g}": dict(
-        args=["--replicas", "2", "--replication-rate", f"{PACED_MB_S:g}"]),
-    "--replicas 2, CKPTRUN_REPLICATION_BUDGET=5%": dict(
-        args=["--replicas", "2"], env={"CKPTRUN_REPLICATION_BUDGET": "5%"}),
+    "--replicas 2 (default: --replication-budget 5%)": dict(args=["--replicas", "2"]),
+    "--replicas 2 --replication-budget 20%": dict(
+        args=["--replicas", "2", "--replication-budget", "20%"]),
+    "--replicas 2 --replication-budget off (unpaced)": dict(
+        args=["--replicas", "2", "--replication-budget", "off"]),
+    f"--replicas 2 --replication-budget off --replication-rate {PACED_MB_S:g}": dict(
+        args=["--replicas", "2", "--replication-budget", "off", "--replication-rate",
+              f"{PACED_MB_S:g}"]),
 }
 
 
@@ -95,6 +102,10 @@ def one_run(case: dict, steps: int, root: str) -> Dict[str, object]:
             sample["round_ms"] = statistics.mean(
                 float(s["replication_round_s"]) * 1e3 for s in stats
                 if s.get("replication_round_s") is not None)
+            for key, src in (("duty", "replication_duty"), ("round_cost", "replication_slowdown")):
+                vals = [float(s[src]) for s in stats if s.get(src) is not None]
+                if vals:
+                    sample[key] = statistics.mean(vals)
             lags = [float(s["replication_lag_steps"]) for s in stats
                     if s.get("replication_lag_steps") is not None]
             if lags:
@@ -119,7 +130,7 @@ def replication_overhead(ctx: Context) -> List[Row]:
     steps = int(ctx.options.get("overhead_steps") or (80 if ctx.quick else 400))
     reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
     cases = dict(CASES)
-    if ctx.quick:  # the low-priority and paced variants only in full runs
+    if ctx.quick:  # the other budgets and the rate cap only in full runs
         cases = {k: v for i, (k, v) in enumerate(CASES.items()) if i < 2}
     root = tempfile.mkdtemp(prefix="ckptrun-bench-replov-", dir=ctx.tmpdir)
     try:
@@ -137,7 +148,7 @@ def replication_overhead(ctx: Context) -> List[Row]:
         if good:
             rates = [float(s["steps_per_s"]) for s in good]  # type: ignore[arg-type]
             row.update(steps_per_s=statistics.median(rates), min=min(rates), max=max(rates))
-            for key in ("rounds_per_s", "round_ms", "lag_steps"):
+            for key in ("rounds_per_s", "round_ms", "lag_steps", "duty", "round_cost"):
                 value = _median(good, key)
                 if value is not None:
                     row[key] = value

@@ -31,11 +31,13 @@ _OWN_OPTIONS = [
     ("--resume-from", "URL", "restore from this persisted checkpoint at first start"),
     ("--replication-rate", "MB/s", "cap on each agent's peer-replication traffic, MB/s; 0 = "
      "unpaced (default: 0)"),
+    ("--replication-budget", "PCT|off", "replication may slow training by at most this much, "
+     "measured from the workers' heartbeats; off = rounds back to back (default: 5%%)"),
     ("--snapshot-every", "N|auto", "memory snapshot every N steps, or auto: every step while "
      "it costs <= 3%% of training time (CKPTRUN_SNAPSHOT_OVERHEAD), else every k-th (default: 1)"),
 ]
 _OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto",
-                 "replication_rate": "0"}
+                 "replication_rate": "0", "replication_budget": "5%"}
 FALSE = {"", "0", "false", "no", "off", "n", "f"}
 TRUE = {"1", "true", "yes", "on", "y", "t"}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd])\s*$", re.IGNORECASE)
@@ -206,6 +208,7 @@ def parse(argv: List[str]) -> AgentConfig:
         replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
         resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
         replication_rate=parse_replication_rate(ns.replication_rate),
+        replication_budget=_replication_budget(ns.replication_budget),
         snapshot_every=_snapshot_every(ns.snapshot_every),
     )
     from ckptrun.preflight import check_environment
@@ -221,6 +224,16 @@ def _snapshot_every(text: Optional[str]) -> str:
         return parse_every(text or 1)[1]
     except ValueError:
         raise UsageError(f"--snapshot-every takes N steps or 'auto'; got {text!r}") from None
+
+
+def _replication_budget(text: Optional[str]) -> Optional[float]:
+    from ckptrun.pacing import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError:
+        raise UsageError(f"--replication-budget takes a share like 5% or 0.05, or 'off'; "
+                         f"got {text!r}") from None
 
 
 def new_run_id() -> str:

@@ -59,6 +59,7 @@ class AgentConfig:
     hang_timeout: Optional[float] = None  # None = auto
     resume_from: Optional[str] = None
     replication_rate: Optional[float] = None  # bytes/s per agent; None = unpaced
+    replication_budget: Optional[float] = 0.05  # slowdown rounds may cause; None = unpaced
     num_slots: int = 3
     snapshot_every: str = "1"  # N or "auto" (workers read CKPTRUN_SNAPSHOT_EVERY)
 

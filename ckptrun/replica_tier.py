@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 from ckptrun import placement
 from ckptrun import protocol as P
 from ckptrun.kvstore import own_client, wait_keys
+from ckptrun.pacing import Pacer
 from ckptrun.replication import PeerStore, copy_slot_file, lower_thread_priority
 from ckptrun.replicator import ReplicaServer, fetch, inventory, push
 
@@ -56,30 +57,6 @@ def replication_nice() -> int:
         return max(0, int(os.environ.get(NICE_ENV, "") or 0))
     except ValueError:
         return 0
-
-
-BUDGET_ENV = "CKPTRUN_REPLICATION_BUDGET"
-
-
-def replication_budget() -> Optional[float]:
-    """Share of wall time replication rounds may take (``CKPTRUN_REPLICATION_BUDGET``, e.g.
-    ``5%`` or ``0.05``); None (the default) runs rounds back to back.
-
-    With a budget, a round that took ``d`` seconds is followed by a pause of
-    ``d * (1 / budget - 1)``: on a machine whose cores are all training, the CPU that
-    rounds take (copy, checksums, sends, the peer's receive) is then about ``budget`` of
-    the time, at the price of peer copies that are more steps behind."""
-    raw = (os.environ.get(BUDGET_ENV) or "").strip()
-    try:
-        share = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw or 0)
-    except ValueError:
-        return None
-    return share if 0 < share < 1 else None
-
-
-def pause_after_round(round_s: float, budget: Optional[float]) -> float:
-    """Seconds to wait before the next round so that rounds take ``budget`` of the time."""
-    return 0.0 if budget is None else max(0.0, round_s) * (1.0 / budget - 1.0)
 
 
 def local_address(agent) -> str:
@@ -110,7 +87,8 @@ class ReplicaTier:
         self.copies = PeerStore(agent.token)
         self.secret = bytes.fromhex(self._agree_secret())
         self.nice = replication_nice()
-        self.budget = replication_budget()
+        self.pacer = Pacer(cfg.replication_budget)
+        self._mark: Optional[Tuple[float, float, bool]] = None  # (time, beats, in a round)
         self.server = ReplicaServer(local_address(agent), self.secret, self.copies,
                                     on_refused=self._refused, local_copy=self._own_slot,
                                     put_nice=self.nice)
@@ -165,6 +143,8 @@ class ReplicaTier:
                 "peers": peers,
                 "replication_round_s": self.round_s, "replication_lag_steps": self.lag_steps,
                 "replication_rounds": self.rounds,
+                "replication_duty": round(self.pacer.duty(), 4),
+                "replication_slowdown": _rounded(self.pacer.slowdown_while_active()),
                 "replication_rate_mb_s": self.rate / 1e6 if self.rate else None}
 
     def restore_step(self, ranks: List[int], attempt: int,
@@ -204,12 +184,41 @@ class ReplicaTier:
                 continue
             rnd += 1
             if self.replicated_step is None or step > self.replicated_step:
-                t_work = time.monotonic()
+                t_work = self._window(True)
                 with self._busy:
                     self._replicate(step)
                 # only the copy and the pushes count: the agreement's wait is the peers'
                 # own pause, and counting it would make the pauses feed each other
-                self._stop.wait(pause_after_round(time.monotonic() - t_work, self.budget))
+                self._stop.wait(self.pacer.pause(self._window(False) - t_work))
+
+    def _window(self, round_next: bool) -> float:
+        """Close the window since the last mark (a round ran in it or not) and tell the
+        pacer how far the local workers got in it; returns the time.  Windows in which a
+        worker was not training (starting, restoring, done) say nothing about rounds."""
+        now, beats = time.monotonic(), self._beats()
+        mark, self._mark = self._mark, (None if beats is None else (now, beats, round_next))
+        if mark is not None and beats is not None and beats >= mark[1]:
+            self.pacer.observe(mark[2], now - mark[0], beats - mark[1])
+        return now
+
+    def _beats(self) -> Optional[float]:
+        """Mean heartbeat count of the local workers, with the fraction of a beat interval
+        since each one's last beat added (windows are often shorter than a step: whole
+        beats alone make a noisy count); None unless all are training."""
+        ctl, n = getattr(self.agent, "control", None), self.agent.cfg.nproc_per_node
+        if ctl is None:  # no control block: nothing to measure
+            return None
+        interval, now, total = self.pacer.beat_interval(), time.monotonic(), 0.0
+        try:
+            for lr in range(n):
+                if ctl.get(lr, "phase") not in (P.Phase.RUNNING, P.Phase.SAVING):
+                    return None
+                total += ctl.get(lr, "beats")
+                if interval:  # heartbeat: the worker's time.monotonic(), one clock for all
+                    total += min(1.0, max(0.0, now - ctl.get(lr, "heartbeat")) / interval)
+        except (ValueError, IndexError):  # the block is closed: the agent is stopping
+            return None
+        return total / n
 
     def _newest_local(self) -> Optional[int]:
         """Newest step every local rank has committed (headers only: cheap)."""
@@ -365,6 +374,10 @@ class ReplicaTier:
 
     def _refused(self, peer: str) -> None:
         self.agent.events.emit("replication_refused", peer=peer)
+
+
+def _rounded(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 4)
 
 
 def agent_extension(agent) -> Optional[ReplicaTier]:

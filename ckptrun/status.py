@@ -148,8 +148,13 @@ def _peer_where(ck: dict) -> str:
     holders = ck.get("replica_holders")
     where = (f"CPU memory of node(s) {', '.join(str(h) for h in holders)}" if holders
              else "other nodes' CPU memory")
-    rate = ck.get("replication_mb_s")
-    return f"{where}, last round {rate:.0f} MB/s" if rate else where
+    rate, duty = ck.get("replication_mb_s"), ck.get("replication_duty")
+    where = f"{where}, last round {rate:.0f} MB/s" if rate else where
+    if isinstance(duty, (int, float)) and duty < 1:  # paced by --replication-budget
+        cost = ck.get("replication_slowdown")
+        where += f", rounds {duty:.0%} of the time" + (
+            f" (training {cost:.0%} slower while one runs)" if cost is not None else "")
+    return where
 
 
 def _peer_row(p: dict, now: float) -> str:

@@ -140,3 +140,22 @@ def test_durable_steps_are_written_by_every_machine(tmp_path, reference):
         assert restored[-1]["tier"] == "storage" and restored[-1]["step"] == STEPS
     assert_equal(load(out), reference)
     no_shm_left(dirs)
+
+
+def test_rounds_are_paced_by_the_slowdown_they_cause(tmp_path):
+    """The default --replication-budget 5%: the agents measure how much a round slows their
+    workers.  Here the step is a sleep (a GPU-bound step: the CPU waits), so rounds cost
+    training next to nothing, and the agents let them run most of the time instead of the
+    5% they start with; ``ckptrun status`` says so."""
+    results, dirs = two_machines(tmp_path, str(tmp_path / "final.pt"), "--steps", "150",
+                                 "--step-time", "0.06", "--ballast-mib", "16")
+    assert [rc for rc, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    for d in dirs:
+        with open(os.path.join(d, "status.json")) as f:
+            ck = json.load(f)["checkpoint"]
+        assert ck["replication_slowdown"] is not None, ck  # measured
+        assert ck["replication_slowdown"] < 0.5, ck
+        assert ck["replication_duty"] >= 0.1, ck  # at least twice the 5% it starts with
+        shown = subprocess.run([sys.executable, "-m", "ckptrun.cli", "status", "--run-dir", d],
+                               capture_output=True, text=True)
+        assert "of the time" in shown.stdout, shown.stdout

@@ -245,7 +245,8 @@ def _fake_agent(node: int, store, events: list, rate_bps=None):
         info=SimpleNamespace(group_rank=node, group_world_size=2, store=store,
                              master_addr="127.0.0.1"),
         cfg=SimpleNamespace(replicas=2, nproc_per_node=1, local_addr="127.0.0.1",
-                            rdzv_endpoint=f"127.0.0.1:{store.port}", replication_rate=rate_bps),
+                            rdzv_endpoint=f"127.0.0.1:{store.port}", replication_rate=rate_bps,
+                            replication_budget=None),
         events=SimpleNamespace(emit=lambda event, **f: events.append(dict(f, event=event))))
 
 
@@ -368,15 +369,3 @@ def test_a_round_whose_step_is_gone_does_not_stop_later_rounds():
         assert tiers[0].replicated_step == 5 and tiers[1].copies.latest(0)[0] == 5
     finally:
         _close_tiers(tiers, agents)
-
-
-def test_replication_budget_spaces_rounds(monkeypatch):
-    from ckptrun.replica_tier import BUDGET_ENV, pause_after_round, replication_budget
-
-    for raw, want in [("", None), ("0", None), ("5%", 0.05), ("0.25", 0.25), ("1", None),
-                      ("x", None), ("150%", None)]:
-        monkeypatch.setenv(BUDGET_ENV, raw)
-        assert replication_budget() == want, raw
-    assert pause_after_round(0.02, None) == 0.0  # default: rounds back to back
-    assert abs(pause_after_round(0.02, 0.05) - 0.38) < 1e-9  # 20 ms of work in every 400 ms
-    assert pause_after_round(-1.0, 0.05) == 0.0

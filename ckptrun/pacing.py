@@ -1,0 +1,115 @@
+"""How often replication rounds may run: training may slow down by at most a budget.
+
+GEMINI fits checkpoint traffic into the idle gaps of training; what a copy costs depends on
+the machine.  On a GPU machine the step waits on the GPU and a round uses cores and network
+bandwidth that training leaves idle, so rounds can run back to back (every step reaches a
+peer).  On a machine whose cores training keeps busy -- this project's 2-core test machine,
+or a CPU job -- every byte a round copies, checksums, sends or receives is taken from
+training.  Neither a fixed bandwidth cap nor a fixed share of time is right for both.
+
+:class:`Pacer` *measures* the cost instead, from the workers' heartbeats (the beat counter
+every ``save()`` advances in the control block): the rate of beats while a round runs and
+while none does.  If rounds slow training by a share ``s`` of the time they run, rounds may
+run ``budget / s`` of the time and the job as a whole slows by at most ``budget`` (DESIGN
+§6: 5%).  Until both rates are known, rounds take ``budget`` of the time (as if a round
+stalled training completely: the safe guess).
+
+Counting beats in windows is only unbiased if windows start at a random phase of the step:
+a round started by a fresh commit begins just after a beat, and would see too few of them.
+So every pause ends with a random extra wait of up to two beat intervals (``save()`` beats
+twice per step: as the copy starts and as it ends).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Optional
+
+DEFAULT_BUDGET = 0.05
+OFF = ("off", "none", "0", "0%", "unpaced")
+
+
+def parse_budget(raw: Optional[str]) -> Optional[float]:
+    """``--replication-budget``: ``"5%"``, ``"0.05"`` -> 0.05; ``"off"``/``"0"`` -> None
+    (rounds back to back); empty -> the default 5%.  Raises ValueError for anything else."""
+    text = (raw or "").strip().lower()
+    if not text:
+        return DEFAULT_BUDGET
+    if text in OFF:
+        return None
+    share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 < share < 1:
+        raise ValueError(f"replication budget must be between 0% and 100%, got {raw!r}")
+    return share
+
+
+class Pacer:
+    """Pauses between replication rounds so that training slows by at most ``budget``.
+
+    Feed it every window of time with the beats the local workers made in it
+    (:meth:`observe`); ask :meth:`pause` after each round.  Old evidence fades with a
+    half-life of ``half_life_s`` of observed time, so a change of phase (evaluation, a
+    bigger model after a restart) is followed."""
+
+    MAX_DUTY = 0.95  # always some time without a round: the baseline must stay measured
+    # expected beats in each kind of window before the rates are trusted; fewer during
+    # rounds, which run only ``budget`` of the time until then (more come in quickly once
+    # the first estimate lets rounds run more often, and the estimate keeps improving)
+    MIN_BEATS = 10.0
+    MIN_ACTIVE_BEATS = 5.0
+
+    def __init__(self, budget: Optional[float], half_life_s: float = 60.0,
+                 rng: Optional[random.Random] = None) -> None:
+        self.budget = budget
+        self.half_life_s = half_life_s
+        self._rng = rng or random.Random()
+        # decayed sums: [beats, seconds] while a round ran ("active") and while none did
+        self._active = [0.0, 0.0]
+        self._idle = [0.0, 0.0]
+
+    def observe(self, active: bool, seconds: float, beats: float) -> None:
+        """One window: ``seconds`` long, during which a round ran (``active``) or not, and
+        the workers beat ``beats`` times (per worker)."""
+        if seconds <= 0 or beats < 0:
+            return
+        keep = math.exp(-math.log(2) * seconds / self.half_life_s)
+        for acc in (self._active, self._idle):
+            acc[0] *= keep
+            acc[1] *= keep
+        acc = self._active if active else self._idle
+        acc[0] += beats
+        acc[1] += seconds
+
+    def beat_interval(self) -> Optional[float]:
+        """Seconds between beats when no round runs (None: not known yet)."""
+        beats, seconds = self._idle
+        return seconds / beats if beats > 0 else None
+
+    def slowdown_while_active(self) -> Optional[float]:
+        """Share of training progress lost while a round runs (0: none, 1: training
+        stopped); None until both rates rest on enough beats."""
+        idle_rate = self._idle[0] / self._idle[1] if self._idle[1] > 0 else 0.0
+        if idle_rate <= 0 or self._idle[0] < self.MIN_BEATS:
+            return None
+        if self._active[1] * idle_rate < self.MIN_ACTIVE_BEATS:  # too little time with rounds
+            return None
+        active_rate = self._active[0] / self._active[1]
+        return min(1.0, max(0.0, 1.0 - active_rate / idle_rate))
+
+    def duty(self) -> float:
+        """Share of the time rounds may run."""
+        if self.budget is None:
+            return 1.0
+        lost = self.slowdown_while_active()
+        if lost is None:
+            return self.budget
+        return self.MAX_DUTY if lost <= self.budget / self.MAX_DUTY else self.budget / lost
+
+    def pause(self, round_s: float) -> float:
+        """Seconds to wait after a round of ``round_s`` seconds (0 when unpaced)."""
+        if self.budget is None:
+            return 0.0
+        f = self.duty()
+        jitter = self._rng.uniform(0.0, 2 * (self.beat_interval() or 0.0))
+        return max(0.0, round_s) * (1.0 / f - 1.0) + jitter
