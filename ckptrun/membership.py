@@ -261,6 +261,37 @@ def memory_step(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
         rnd += 1
 
 
+TIER_ROUNDS = 8  # a tier offers older steps this many times before the next tier is asked
+
+
+def _tier_step(ext, ranks: List[int], coord: JobCoordinator, attempt: int, key: str,
+               forced_step: Optional[int]) -> Tuple[Optional[int], str]:
+    """The newest step every node can materialise from ``ext`` (None: none), and the tier.
+
+    Each node offers the newest step it can produce; all take the smallest offer; a node
+    whose offer was newer materialises that one instead.  If some node cannot (its peers
+    hold another round's copy of one rank than it holds of another, a copy fails its
+    checksum), every node tries again below that step, instead of giving up on the tier
+    -- which would restore everyone from storage, or from nothing."""
+    cap, tier = forced_step, "memory"
+    for rnd in range(TIER_ROUNDS):
+        got = ext.restore_step(ranks, attempt, cap)
+        step = coord.agree_restore_step(f"{key}/{rnd}", got and got[0])
+        if not step or forced_step not in (None, step):  # a rollback takes exactly its step
+            return None, tier
+        if coord.nnodes == 1:
+            return step, got[1]
+        if got[0] != step:  # another node offered less: everyone materialises that step
+            got = ext.restore_step(ranks, attempt, step)
+        ok = got is not None and got[0] == step
+        if coord.agree_restore_step(f"{key}/{rnd}/ok", step if ok else None) == step:
+            return step, got[1]
+        if forced_step is not None:
+            return None, tier
+        cap = step - 1
+    return None, tier
+
+
 def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
                    forced_step: Optional[int] = None, tiers=()) -> Dict[str, object]:
     """The ``CKPTRUN_RESTORE`` value for this attempt: the newest step every rank of the job
@@ -274,12 +305,7 @@ def decide_restore(memory, ranks: List[int], coord: JobCoordinator, attempt: int
     for i, ext in enumerate(t for t in tiers if hasattr(t, "restore_step")):
         if step:
             break
-        got = ext.restore_step(ranks, attempt, forced_step)
-        step, tier = coord.agree_restore_step(f"{attempt}/{i}", got and got[0]), got[1] if got else tier
-        if step and coord.nnodes > 1:  # a node offered less: every node materialises that
-            if got[0] != step:
-                got = ext.restore_step(ranks, attempt, step)
-            step = coord.agree_restore_step(f"{attempt}/{i}/2", step if got and got[0] == step else None)
+        step, tier = _tier_step(ext, ranks, coord, attempt, f"{attempt}/{i}", forced_step)
     if step and step > 0:
         if memory is not None:
             memory.discard_newer(ranks, step)
