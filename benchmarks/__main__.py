@@ -62,15 +62,34 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     "before the failure (default 2; ckptrun's warm spares must be up too)")
     ap.add_argument("--hang-observe-s", type=float, help="recovery: how long to watch torchrun "
                     "with a hung rank (default 3 quick, 30 full)")
-    ap.add_argument("--machine-loss-cases", help="machine_loss: STATE_MiB@STEP_S list (default "
-                    "64@0.15 quick; 64@0.15,256@0.5,64@0 full)")
+    ap.add_argument("--machine-loss-cases", help="machine_loss: STATE_MiB@STEP_S[@BUDGET] list "
+                    "(default 64@0.15 quick; 64@0.15,256@0.5,64@0,64@0@off full)")
     ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
     ap.add_argument("--plots", metavar="DIR", nargs="?", const="docs",
                     help="write PNG plots (needs matplotlib) into DIR (default docs)")
     ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",
                     help="rewrite the generated part of docs/performance.md from this run")
     ap.add_argument("--no-print", action="store_true", help="do not print tables")
+    ap.add_argument("--merge-into", metavar="JSON", help="replace the sections run now in this "
+                    "earlier results file (the rest stays; its meta records the re-run) and "
+                    "write it back, instead of a new file")
     return ap.parse_args(argv)
+
+
+def merge_into(path: str, new: dict) -> dict:
+    """``new``'s sections replace the same ones of the run in ``path``; its meta lists the
+    re-run (command, date, sections), so every table says which run it came from."""
+    with open(path) as f:
+        old = json.load(f)
+    names = list(new["sections"])
+    old["sections"].update(new["sections"])
+    meta = new["meta"]
+    old["meta"].setdefault("reruns", []).append(
+        {"command": meta["command"], "date": meta["date"], "sections": names,
+         "wall_s": meta["wall_s"]})
+    if meta.get("plots"):
+        old["meta"]["plots"] = sorted(set(old["meta"].get("plots") or []) | set(meta["plots"]))
+    return old
 
 
 def _size(text: Optional[str]) -> Optional[int]:
@@ -135,7 +154,9 @@ def run(argv: Optional[List[str]] = None) -> dict:
         from benchmarks.plots import write_plots
 
         results["meta"]["plots"] = write_plots(results, args.plots)
-    out = args.out or default_out()
+    if args.merge_into:
+        results = merge_into(args.merge_into, results)
+    out = args.merge_into or args.out or default_out()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)

@@ -46,15 +46,17 @@ COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
            ("reps", "reps", "int"), ("note", "note", "str")]
 
 # (state MiB per rank, padded step time s): replicating a step must fit in a step time
-QUICK_CASES = [(64, 0.15)]
-FULL_CASES = [(64, 0.15), (256, 0.5), (64, 0.0)]
+# (state MiB, padded step s, --replication-budget): the default budget, and for the
+# CPU-bound case also "off" -- the two sides of the trade where rounds cost training
+QUICK_CASES = [(64, 0.15, "5%")]
+FULL_CASES = [(64, 0.15, "5%"), (256, 0.5, "5%"), (64, 0.0, "5%"), (64, 0.0, "off")]
 
 
-def _cases(ctx: Context) -> List[Tuple[int, float]]:
+def _cases(ctx: Context) -> List[Tuple[int, float, str]]:
     opt = ctx.options.get("machine_loss_cases")
-    if opt:
-        return [(int(mb), float(st)) for mb, st in
-                (c.split("@") for c in str(opt).split(","))]  # "64@0.15,256@0.5"
+    if opt:  # "64@0.15,256@0.5,64@0@off"
+        return [(int(p[0]), float(p[1]), p[2] if len(p) > 2 else "5%")
+                for p in (c.split("@") for c in str(opt).split(","))]
     return QUICK_CASES if ctx.quick else FULL_CASES
 
 
@@ -79,7 +81,8 @@ def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
 
 
 def run_once(mb: int, step_s: float, root: str, private_shm: bool,
-             min_train_s: float = 3.0, max_wait_s: float = 60.0) -> Dict[str, object]:
+             min_train_s: float = 3.0, max_wait_s: float = 60.0,
+             budget: str = "5%") -> Dict[str, object]:
     """One machine loss; a sample dict (``error`` says why there is none)."""
     work = tempfile.mkdtemp(prefix="machine-", dir=root)
     job = ["--ckpt", "ckptrun", "--state-mb", str(mb), "--steps", "1000000",
@@ -87,7 +90,8 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
     env = {"CKPTRUN_SPARE_DELAY": "0"}
     machines: List[Machine] = []
     try:
-        machines = start_job(work, 2, ["--max-restarts", "3", "--replicas", "2"], job, env,
+        machines = start_job(work, 2, ["--max-restarts", "3", "--replicas", "2",
+                                       "--replication-budget", budget], job, env,
                              private_shm, names=["survivor", "lost"])
         if len(machines) < 2:
             return {"error": f"the store host did not start: {machines[0].tail(400)}"}
@@ -165,9 +169,10 @@ def _measure(logs: Dict[tuple, List[dict]], t_fail: float) -> Dict[str, object]:
 
 
 def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
-              private_shm: bool) -> Row:
+              private_shm: bool, budget: str = "5%") -> Row:
     label = f"{step_s:g} s" if step_s else "unpadded"
-    row: Row = {"case": f"ckptrun 2 machines × 1 rank, --replicas 2, step {label}",
+    row: Row = {"case": f"ckptrun 2 machines × 1 rank, --replicas 2, step {label}, "
+                        f"--replication-budget {budget}",
                 "failure": "machine loss (all its processes killed)", "bytes": mb << 20,
                 "target": TARGET, "reps": 0}
     good = [s for s in samples if "error" not in s]
@@ -216,14 +221,15 @@ def machine_loss(ctx: Context) -> List[Row]:
     started = time.monotonic()
     try:
         rows = []
-        for mb, step_s in _cases(ctx):
+        for mb, step_s, budget in _cases(ctx):
             samples = []
             for rnd in range(reps):
                 if rnd and time.monotonic() - started > ctx.time_budget_s:
                     break
                 samples.append(run_once(mb, step_s, root, private_shm,  # quick: < 1 min
-                                        max_wait_s=10.0 if ctx.quick else 60.0))
-            rows.append(summarize(mb, step_s, samples, private_shm))
+                                        max_wait_s=10.0 if ctx.quick else 60.0,
+                                        budget=budget))
+            rows.append(summarize(mb, step_s, samples, private_shm, budget))
         return rows
     finally:
         shutil.rmtree(root, ignore_errors=True)

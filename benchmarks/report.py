@@ -89,6 +89,10 @@ def markdown_sections(results: Dict) -> str:
     parts = [f"Run: `{meta['command']}` on `{meta['host']}` at {meta['date']} "
              f"(torch {meta['torch']}, Python {meta['python']}, {meta['cpus']} CPUs, "
              f"{meta['reps']} repetitions, {meta['wall_s']:.0f} s in all)."]
+    for rerun in meta.get("reruns", []):
+        parts.append(f"Sections {', '.join(rerun['sections'])} were re-run later: "
+                     f"`{rerun['command']}` at {rerun['date']} ({rerun['wall_s']:.0f} s); "
+                     "their tables below are from that run.")
     for _name, sec in results["sections"].items():
         for label, rows in _groups(sec["rows"]).items():
             title = sec["title"] + (f" — {label}" if label else "")

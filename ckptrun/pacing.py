@@ -11,8 +11,10 @@ training.  Neither a fixed bandwidth cap nor a fixed share of time is right for 
 every ``save()`` advances in the control block): the rate of beats while a round runs and
 while none does.  If rounds slow training by a share ``s`` of the time they run, rounds may
 run ``budget / s`` of the time and the job as a whole slows by at most ``budget`` (DESIGN
-§6: 5%).  Until both rates are known, rounds take ``budget`` of the time (as if a round
-stalled training completely: the safe guess).
+§6: 5%).  Until both rates are known, rounds run half of the time: both kinds of window
+fill quickly (a second or two of training), and what that costs once is nothing next to
+a job's length -- while starting at ``budget`` left a machine lost in its first minute
+with a peer copy many steps old (the benchmarks' machine-loss runs lost 12 steps).
 
 Counting beats in windows is only unbiased if windows start at a random phase of the step:
 a round started by a fresh commit begins just after a beat, and would see too few of them.
@@ -53,11 +55,10 @@ class Pacer:
     bigger model after a restart) is followed."""
 
     MAX_DUTY = 0.95  # always some time without a round: the baseline must stay measured
-    # expected beats in each kind of window before the rates are trusted; fewer during
-    # rounds, which run only ``budget`` of the time until then (more come in quickly once
-    # the first estimate lets rounds run more often, and the estimate keeps improving)
+    INITIAL_DUTY = 0.5  # until the cost is measured
+    # expected beats in each kind of window before the rates are trusted
     MIN_BEATS = 10.0
-    MIN_ACTIVE_BEATS = 5.0
+    MIN_ACTIVE_BEATS = 10.0
 
     def __init__(self, budget: Optional[float], half_life_s: float = 60.0,
                  rng: Optional[random.Random] = None) -> None:
@@ -103,7 +104,7 @@ class Pacer:
             return 1.0
         lost = self.slowdown_while_active()
         if lost is None:
-            return self.budget
+            return max(self.budget, self.INITIAL_DUTY)
         return self.MAX_DUTY if lost <= self.budget / self.MAX_DUTY else self.budget / lost
 
     def pause(self, round_s: float) -> float:

@@ -30,11 +30,14 @@ def feed(p: Pacer, idle_rate: float, active_rate: float, seconds: float, duty: f
         t += 0.1 / duty
 
 
-def test_unknown_cost_means_budget_share():
+def test_until_the_cost_is_measured_rounds_run_half_the_time():
     p = Pacer(0.05, rng=random.Random(1))
     assert p.slowdown_while_active() is None
-    assert p.duty() == pytest.approx(0.05)
-    assert p.pause(0.1) == pytest.approx(0.1 * 19)  # no beat interval known: no jitter
+    assert p.duty() == Pacer.INITIAL_DUTY == 0.5
+    assert p.pause(0.1) == pytest.approx(0.1)  # no beat interval known: no jitter
+    feed(p, idle_rate=50, active_rate=25, seconds=1.0, duty=0.5)  # a second of training
+    assert p.slowdown_while_active() == pytest.approx(0.5)  # measured already
+    assert p.duty() == pytest.approx(0.1)
 
 
 def test_free_rounds_run_nearly_back_to_back():
