@@ -3,8 +3,10 @@
 Two machines (``benchmarks/machines.py``: two ckptrun agents on localhost, one rank each,
 ``--replicas 2``; with root, each in its own mount namespace with a private ``/dev/shm``)
 run ``benchmarks/jobs/recovery_job.py`` with ``--step-time`` padding every step (a GPU-bound
-step: the CPU waits, the snapshot copy and replication overlap it).  Once both train, have
-replicated and the survivor's warm spares are up, the harness powers machine 1 off: SIGKILL
+step: the CPU waits, the snapshot copy and replication overlap it), or unpadded (a CPU-bound
+step: replication takes its CPU from training, and ``--replication-budget`` decides how
+often a round may run).  Once both have trained 10 s (3 s with ``--quick``), have replicated
+and the survivor's warm spares are up, the harness powers machine 1 off: SIGKILL
 to every process of it at once (agent, workers, spares, reaper), so every byte of memory it
 held is gone.  It then starts a replacement machine with the same command line (its own run
 directory: a new machine has its own disk), which joins the rendezvous and pulls the lost
@@ -226,7 +228,11 @@ def machine_loss(ctx: Context) -> List[Row]:
             for rnd in range(reps):
                 if rnd and time.monotonic() - started > ctx.time_budget_s:
                     break
+                # full runs kill a machine that has trained 10 s: the steady state
+                # (the pacer has measured what rounds cost, the copies' pages are mapped),
+                # which is where a machine of a long job dies; quick runs after 3 s
                 samples.append(run_once(mb, step_s, root, private_shm,  # quick: < 1 min
+                                        min_train_s=3.0 if ctx.quick else 10.0,
                                         max_wait_s=10.0 if ctx.quick else 60.0,
                                         budget=budget))
             rows.append(summarize(mb, step_s, samples, private_shm, budget))

@@ -11,7 +11,7 @@ training.  Neither a fixed bandwidth cap nor a fixed share of time is right for 
 every ``save()`` advances in the control block): the rate of beats while a round runs and
 while none does.  If rounds slow training by a share ``s`` of the time they run, rounds may
 run ``budget / s`` of the time and the job as a whole slows by at most ``budget`` (DESIGN
-§6: 5%).  Until both rates are known, rounds run half of the time: both kinds of window
+§6: 5%; the pacer aims a little lower, see ``AIM``).  Until both rates are known, rounds run half of the time: both kinds of window
 fill quickly (a second or two of training), and what that costs once is nothing next to
 a job's length -- while starting at ``budget`` left a machine lost in its first minute
 with a peer copy many steps old (the benchmarks' machine-loss runs lost 12 steps).
@@ -56,6 +56,9 @@ class Pacer:
 
     MAX_DUTY = 0.95  # always some time without a round: the baseline must stay measured
     INITIAL_DUTY = 0.5  # until the cost is measured
+    # aim below the budget: the estimate is noisy, and what the agents spend outside the
+    # rounds (agreeing on the next one, this loop) is not in it
+    AIM = 0.8
     # expected beats in each kind of window before the rates are trusted
     MIN_BEATS = 10.0
     MIN_ACTIVE_BEATS = 10.0
@@ -105,7 +108,8 @@ class Pacer:
         lost = self.slowdown_while_active()
         if lost is None:
             return max(self.budget, self.INITIAL_DUTY)
-        return self.MAX_DUTY if lost <= self.budget / self.MAX_DUTY else self.budget / lost
+        target = self.AIM * self.budget
+        return self.MAX_DUTY if lost <= target / self.MAX_DUTY else max(target, 0.0) / lost
 
     def pause(self, round_s: float) -> float:
         """Seconds to wait after a round of ``round_s`` seconds (0 when unpaced)."""
