@@ -12,6 +12,8 @@ only in ``run`` so that ``ckptrun status`` stays fast.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -37,6 +39,11 @@ def run_main(argv: List[str]) -> int:
         cfg = parse(argv)
     except UsageError as exc:
         return usage_error(str(exc))
+    level = os.environ.get("CKPTRUN_LOG_LEVEL", "").upper()
+    if level:  # the agent's own log (restore decisions, replication) on stderr, for debugging
+        logging.basicConfig(level=getattr(logging, level, logging.INFO),
+                            format="ckptrun %(asctime)s %(name)s: %(message)s")
+        logging.getLogger("torch").setLevel(logging.WARNING)
     try:
         from ckptrun.agent import run_agent
     except ModuleNotFoundError as exc:

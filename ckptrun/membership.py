@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -28,6 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 from ckptrun.kvstore import own_client
 from ckptrun.rendezvous import KEY_PREFIX, RUN, Epoch, JobCoordinator
+
+log = logging.getLogger("ckptrun.membership")
 
 NODE_TIMEOUT_ENV = "CKPTRUN_NODE_TIMEOUT"
 DEFAULT_NODE_TIMEOUT_S = 5.0
@@ -251,6 +254,8 @@ def memory_step(memory, ranks: List[int], coord: JobCoordinator, attempt: int,
     rnd = 0
     while True:
         step = coord.agree_common_step(f"{attempt}/memory/{rnd}", sorted(offered))
+        log.info("restore %s/memory round %d: offered %s, agreed %s", attempt, rnd,
+                 sorted(offered), step)
         if step is None:
             return None
         ok = memory.verify_all(ranks, step)
@@ -277,6 +282,8 @@ def _tier_step(ext, ranks: List[int], coord: JobCoordinator, attempt: int, key: 
     for rnd in range(TIER_ROUNDS):
         got = ext.restore_step(ranks, attempt, cap)
         step = coord.agree_restore_step(f"{key}/{rnd}", got and got[0])
+        log.info("restore %s round %d: %s offered %s (at most %s), agreed %s", key, rnd,
+                 type(ext).__name__, got, cap, step)
         if not step or forced_step not in (None, step):  # a rollback takes exactly its step
             return None, tier
         if coord.nnodes == 1:
@@ -284,6 +291,9 @@ def _tier_step(ext, ranks: List[int], coord: JobCoordinator, attempt: int, key: 
         if got[0] != step:  # another node offered less: everyone materialises that step
             got = ext.restore_step(ranks, attempt, step)
         ok = got is not None and got[0] == step
+        if not ok:
+            log.info("restore %s round %d: cannot materialise step %s here (%s)", key, rnd,
+                     step, got)
         if coord.agree_restore_step(f"{key}/{rnd}/ok", step if ok else None) == step:
             return step, got[1]
         if forced_step is not None:

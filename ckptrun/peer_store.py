@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
 
@@ -177,11 +177,14 @@ def copy_slot_file(src_path: str, dst_path: str,
 class PeerStore:
     """Agent-owned copies of other machines' ranks: two slot files per rank (newest + incoming)."""
 
-    def __init__(self, job_token: str):
+    def __init__(self, job_token: str, pin_ranks: Sequence[int] = ()):
         self.job_token = job_token
         self._lock = threading.Lock()
         self._busy: set = set()
         self.maps = MapCache()  # mappings of the copies, kept from one transfer to the next
+        # the ranks a restore needs together (this node's own and its sources'): the newest
+        # step held for all of them is never overwritten, see :meth:`incoming_path`
+        self.pin_ranks = list(pin_ranks)
 
     def close(self) -> None:
         """Unmap the cached mappings (the files stay)."""
@@ -224,14 +227,33 @@ class PeerStore:
                     out[rank] = got[0]
         return out
 
+    def pinned_step(self) -> Optional[int]:
+        """The newest step held (committed) for every rank of ``pin_ranks``, if any."""
+        common: Optional[set] = None
+        for r in self.pin_ranks:
+            steps = set(self.copies(r))
+            common = steps if common is None else common & steps
+        return max(common) if common else None
+
     def incoming_path(self, rank: int) -> Optional[str]:
-        """The slot to receive into: never the newest committed copy; None if one is in flight."""
+        """The slot to receive into; None if a transfer of ``rank`` is in flight.
+
+        Never the copy of the step every ranks of ``pin_ranks`` is held at: the copies of
+        different ranks arrive independently (a push can fail while this node's own copy of
+        the round succeeded), and overwriting the only step they share would leave nothing
+        that one restore could use for all of them.  Otherwise never the newest copy."""
         with self._lock:
             if rank in self._busy:
                 return None
             self._busy.add(rank)
-        got = self.latest(rank)
-        return self.path(rank, 0 if got is None or got[1] == self.path(rank, 1) else 1)
+        held = self.copies(rank)
+        keep = self.pinned_step() if rank in self.pin_ranks else None
+        if keep is None or keep not in held:
+            got = self.latest(rank)
+            keep_path = got[1] if got else None
+        else:
+            keep_path = held[keep]
+        return self.path(rank, 1 if keep_path == self.path(rank, 0) else 0)
 
     def done(self, rank: int) -> None:
         with self._lock:

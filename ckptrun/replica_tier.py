@@ -84,7 +84,11 @@ class ReplicaTier:
         self._rounds_store = own_client(info.store)  # the rounds' thread waits on its own
         self.memory = agent.memory
         self.ranks = [self.node * cfg.nproc_per_node + lr for lr in range(cfg.nproc_per_node)]
-        self.copies = PeerStore(agent.token)
+        sources = [n for n in range(self.n)
+                   if n != self.node and self.node in placement.peers_of(n, self.n, self.m)]
+        # a restore needs this node's ranks and its sources' ranks at one step
+        self.copies = PeerStore(agent.token, self.ranks + [
+            n * cfg.nproc_per_node + lr for n in sources for lr in range(cfg.nproc_per_node)])
         self.secret = bytes.fromhex(self._agree_secret())
         self.nice = replication_nice()
         self.pacer = Pacer(cfg.replication_budget)
@@ -154,6 +158,8 @@ class ReplicaTier:
         with self._busy:
             sources = self._sources(ranks)
             common = set.intersection(*(set(s) for s in sources.values())) if sources else set()
+            log.info("restore ranks %s: steps all of them can get %s (at most %s)", ranks,
+                     sorted(common), max_step)
             for step in sorted((s for s in common if max_step is None or s <= max_step),
                                reverse=True):
                 tier = self._materialise(ranks, step, sources)
@@ -340,6 +346,7 @@ class ReplicaTier:
                 if got == step:
                     tier = "peer" if kind == "peer" else tier
                     break
+                log.info("rank %d step %d: the %s copy (%s) gave %s", r, step, kind, where, got)
             else:
                 return None
         return tier

@@ -369,3 +369,22 @@ def test_a_round_whose_step_is_gone_does_not_stop_later_rounds():
         assert tiers[0].replicated_step == 5 and tiers[1].copies.latest(0)[0] == 5
     finally:
         _close_tiers(tiers, agents)
+
+
+def test_the_step_all_restore_ranks_share_is_never_overwritten(token):
+    """This node's own copy of round 7 landed, the peer's push of its rank for round 7 did
+    not: 5 is the only step held for both ranks.  The next copy of the own rank must replace
+    7, not 5 (which the old rule, "never the newest", would have overwritten -- leaving no
+    step one restore could take for both ranks)."""
+    store = PeerStore(token, pin_ranks=[0, 1])
+    make_slot(store.path(0, 0), 5, b"a" * 4096, rank=0)
+    make_slot(store.path(0, 1), 7, b"b" * 4096, rank=0)
+    make_slot(store.path(1, 0), 5, b"c" * 4096, rank=1)
+    assert store.pinned_step() == 5
+    assert store.incoming_path(0) == store.path(0, 1)
+    store.done(0)
+    make_slot(store.path(1, 1), 7, b"d" * 4096, rank=1)  # the push of round 7 arrives
+    assert store.pinned_step() == 7
+    assert store.incoming_path(0) == store.path(0, 0)  # now 5 may go
+    store.done(0)
+    assert PeerStore(token).incoming_path(0) == store.path(0, 0)  # no pins: not the newest
