@@ -84,9 +84,11 @@ def merge_into(path: str, new: dict) -> dict:
     names = list(new["sections"])
     old["sections"].update(new["sections"])
     meta = new["meta"]
-    old["meta"].setdefault("reruns", []).append(
+    reruns = [r for r in old["meta"].get("reruns", [])  # those now replaced say nothing
+              if not set(r["sections"]) <= set(names)]
+    old["meta"]["reruns"] = reruns + [
         {"command": meta["command"], "date": meta["date"], "sections": names,
-         "wall_s": meta["wall_s"]})
+         "wall_s": meta["wall_s"]}]
     if meta.get("plots"):
         old["meta"]["plots"] = sorted(set(old["meta"].get("plots") or []) | set(meta["plots"]))
     return old
