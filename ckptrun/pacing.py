@@ -63,7 +63,7 @@ class Pacer:
     MIN_BEATS = 10.0
     MIN_ACTIVE_BEATS = 10.0
 
-    def __init__(self, budget: Optional[float], half_life_s: float = 60.0,
+    def __init__(self, budget: Optional[float], half_life_s: float = 20.0,
                  rng: Optional[random.Random] = None) -> None:
         self.budget = budget
         self.half_life_s = half_life_s

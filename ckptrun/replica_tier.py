@@ -39,6 +39,7 @@ log = logging.getLogger("ckptrun.replication")
 KEY = "ckptrun/replica/"
 ROUND_TIMEOUT_S = 10.0
 EVENT_EVERY_S = 2.0  # `replicated` events per peer at most this often (rounds can be ms apart)
+COLD_ROUNDS = 2  # rounds that fill the two new copy files of a rank: not measured
 
 
 NICE_ENV = "CKPTRUN_REPLICATION_NICE"
@@ -203,7 +204,10 @@ class ReplicaTier:
         worker was not training (starting, restoring, done) say nothing about rounds."""
         now, beats = time.monotonic(), self._beats()
         mark, self._mark = self._mark, (None if beats is None else (now, beats, round_next))
-        if mark is not None and beats is not None and beats >= mark[1]:
+        # the first rounds write into new copy files (every page touched for the first
+        # time, while the workers still warm up): seconds long, and nothing like the rest
+        cold = mark is not None and mark[2] and self.rounds < COLD_ROUNDS
+        if mark is not None and beats is not None and beats >= mark[1] and not cold:
             self.pacer.observe(mark[2], now - mark[0], beats - mark[1])
         return now
 
