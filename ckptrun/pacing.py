@@ -11,10 +11,11 @@ training.  Neither a fixed bandwidth cap nor a fixed share of time is right for 
 every ``save()`` advances in the control block): the rate of beats while a round runs and
 while none does.  If rounds slow training by a share ``s`` of the time they run, rounds may
 run ``budget / s`` of the time and the job as a whole slows by at most ``budget`` (DESIGN
-§6: 5%; the pacer aims a little lower, see ``AIM``).  Until both rates are known, rounds run half of the time: both kinds of window
-fill quickly (a second or two of training), and what that costs once is nothing next to
-a job's length -- while starting at ``budget`` left a machine lost in its first minute
-with a peer copy many steps old (the benchmarks' machine-loss runs lost 12 steps).
+§6: 5%; the pacer aims a little lower, see ``AIM``).  Until both rates are known, rounds
+run half of the time: both kinds of window fill quickly (a second or two of training), and
+what that costs once is nothing next to a job's length -- while starting at ``budget``
+left a machine lost in its first minute with a peer copy many steps old (the benchmarks'
+machine-loss runs lost 12 steps).
 
 Counting beats in windows is only unbiased if windows start at a random phase of the step:
 a round started by a fresh commit begins just after a beat, and would see too few of them.
@@ -109,7 +110,7 @@ class Pacer:
         if lost is None:
             return max(self.budget, self.INITIAL_DUTY)
         target = self.AIM * self.budget
-        return self.MAX_DUTY if lost <= target / self.MAX_DUTY else max(target, 0.0) / lost
+        return self.MAX_DUTY if lost <= target / self.MAX_DUTY else target / lost
 
     def pause(self, round_s: float) -> float:
         """Seconds to wait after a round of ``round_s`` seconds (0 when unpaced)."""

@@ -238,7 +238,7 @@ class PeerStore:
     def incoming_path(self, rank: int) -> Optional[str]:
         """The slot to receive into; None if a transfer of ``rank`` is in flight.
 
-        Never the copy of the step every ranks of ``pin_ranks`` is held at: the copies of
+        Never the copy of the step every rank of ``pin_ranks`` is held at: the copies of
         different ranks arrive independently (a push can fail while this node's own copy of
         the round succeeded), and overwriting the only step they share would leave nothing
         that one restore could use for all of them.  Otherwise never the newest copy."""
