@@ -60,17 +60,23 @@ def parse_every(value: Any) -> Tuple[Optional[int], str]:
     return n, str(n)
 
 
-def parse_budget(value: Any) -> float:
-    """``0.03``, ``"0.03"`` or ``"3%"`` -> 0.03 (a fraction of the training time)."""
+def parse_share(value: Any, what: str, example: str) -> float:
+    """``0.03``, ``"0.03"`` or ``"3%"`` -> 0.03; ValueError naming ``what`` unless the
+    share is strictly between 0 and 1."""
     text = str(value).strip()
     try:
-        budget = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        budget = -1.0
-    if not 0 < budget < 1:
-        raise ValueError(f"ckptrun: snapshot overhead budget must be a fraction in (0, 1) or "
-                         f"a percentage like 3%, got {value!r}")
-    return budget
+        share = -1.0
+    if not 0 < share < 1:
+        raise ValueError(f"ckptrun: {what} must be a fraction in (0, 1) or a percentage like "
+                         f"{example}, got {value!r}")
+    return share
+
+
+def parse_budget(value: Any) -> float:
+    """``0.03``, ``"0.03"`` or ``"3%"`` -> 0.03 (a fraction of the training time)."""
+    return parse_share(value, "snapshot overhead budget", "3%")
 
 
 class SnapshotInterval:

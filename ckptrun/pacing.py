@@ -29,6 +29,8 @@ import math
 import random
 from typing import Optional
 
+from ckptrun.interval import parse_share
+
 DEFAULT_BUDGET = 0.05
 OFF = ("off", "none", "0", "0%", "unpaced")
 
@@ -41,10 +43,7 @@ def parse_budget(raw: Optional[str]) -> Optional[float]:
         return DEFAULT_BUDGET
     if text in OFF:
         return None
-    share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    if not 0 < share < 1:
-        raise ValueError(f"replication budget must be between 0% and 100%, got {raw!r}")
-    return share
+    return parse_share(text, "replication budget", "5%")
 
 
 class Pacer:
