@@ -62,6 +62,7 @@ def machine(tmp_path, name: str, agent_args, out: str) -> subprocess.Popen:
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     log.close()
     p.run_dir = run_dir  # type: ignore[attr-defined]
+    p.log_path = str(tmp_path / f"{name}.log")  # type: ignore[attr-defined]
     return p
 
 
@@ -72,9 +73,18 @@ def wait_until(pred, timeout: float, what: str, procs=()):
         if got:
             return got
         for p in procs:
-            assert p.poll() is None, f"{what}: a machine exited early ({p.returncode})"
+            assert p.poll() is None, (f"{what}: a machine exited early ({p.returncode}): "
+                                      + _tail(getattr(p, "log_path", None)))
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _tail(path: Optional[str], n: int = 4000) -> str:
+    try:
+        with open(path or "", errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
 
 
 def listening(port: int) -> bool:
@@ -92,6 +102,20 @@ def status(run_dir: str) -> dict:
 
 def of(run_dir, name):
     return [e for e in run_events(run_dir) if e["event"] == name]
+
+
+def recovery(run_dir, name: str = "restored") -> dict:
+    """The first ``name`` event of the recovery from a machine loss: for a survivor the
+    first after its first ``node_lost``, for a replacement (it saw no loss) its first.
+
+    Later ones belong to later restarts (e.g. a worker aborting in torch's interpreter
+    teardown after the last step, which restarts the job from that step); the tests judge
+    the recovery, and the final weights judge the whole run."""
+    evts = run_events(run_dir)
+    lost = [e["time"] for e in evts if e["event"] == "node_lost"]
+    after = [e for e in evts if e["event"] == name and (not lost or e["time"] > lost[0])]
+    assert after, (name, [e for e in evts if e["event"] not in ("heartbeat", "persisted")])
+    return after[0]
 
 
 def finish(procs, timeout: float):

@@ -66,3 +66,16 @@ def test_worker_env_matches_torchrun(tmp_path, form, nproc):
         assert sorted(argv) == sorted(ref_argv)
     if nproc == 2:
         assert ours[0][0]["OMP_NUM_THREADS"] == "1"
+
+
+def test_ddp_garbage_is_collected_before_interpreter_shutdown(tmp_path):
+    """DDP holds its process group in a reference cycle: left to the collector's pass at
+    interpreter shutdown, gloo tears down there and sometimes aborts the worker after the
+    last step (a needless restart).  Workers collect it when the script returns."""
+    probe = tmp_path / "probe"
+    cmd = ckptrun_cmd("--standalone", "--nproc-per-node", "1", "--run-dir",
+                      str(tmp_path / "run"), os.path.join(SCRIPTS, "ddp_exit_probe.py"),
+                      str(probe))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert probe.read_text() == "collected"

@@ -36,6 +36,7 @@ from machines import (
     machine,
     of,
     peer_copies,
+    recovery,
     reference_weights,
     require_namespaces,
     status,
@@ -135,13 +136,13 @@ def test_machine_lost_replacement_restores_from_peer(tmp_path, references):
     lost = of(a.run_dir, "node_lost")
     assert [e["node"] for e in lost] == loss.lost_nodes
     assert of(c.run_dir, "start")[0]["node"] == loss.lost_nodes[0]  # took B's place
-    ra, rc = of(a.run_dir, "restored"), of(c.run_dir, "restored")
-    assert ra[-1]["tier"] == "memory" and rc[-1]["tier"] == "peer", (ra, rc)
-    assert ra[-1]["step"] == rc[-1]["step"]
-    restarts = [e["restarts"] for e in of(a.run_dir, "restart")]
-    assert restarts[-1] == 1, restarts  # one loss, one restart job-wide
-    report("machine loss", loss, ra[-1]["step"])
-    assert 0 <= lost[0]["step"] - ra[-1]["step"] <= 3
+    ra, rc = recovery(a.run_dir), recovery(c.run_dir)
+    assert ra["tier"] == "memory" and rc["tier"] == "peer", (ra, rc)
+    assert ra["step"] == rc["step"]
+    restart = recovery(a.run_dir, "restart")
+    assert restart["restarts"] == 1, restart  # one loss, one restart job-wide
+    report("machine loss", loss, ra["step"])
+    assert 0 <= lost[0]["step"] - ra["step"] <= 3
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 
@@ -154,10 +155,10 @@ def test_placement_group_lost_everyone_restores_from_storage(tmp_path, reference
         persisted=True)
     (a,), (c,) = loss.survivors, loss.newcomers
     assert [e["node"] for e in of(a.run_dir, "node_lost")] == loss.lost_nodes
-    ra, rc = of(a.run_dir, "restored"), of(c.run_dir, "restored")
-    assert ra[-1]["tier"] == "storage" and rc[-1]["tier"] == "storage", (ra, rc)
-    assert ra[-1]["step"] == rc[-1]["step"] > 0
-    report("placement group lost", loss, ra[-1]["step"])
+    ra, rc = recovery(a.run_dir), recovery(c.run_dir)
+    assert ra["tier"] == "storage" and rc["tier"] == "storage", (ra, rc)
+    assert ra["step"] == rc["step"] > 0
+    report("placement group lost", loss, ra["step"])
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 
@@ -171,8 +172,8 @@ def test_three_machines_one_lost_restores_from_its_peer(tmp_path, references):
     assert of(x.run_dir, "start")[0]["node"] == lost_node  # took the lost machine's place
     for m in loss.survivors:
         assert [e["node"] for e in of(m.run_dir, "node_lost")] == [lost_node], m.run_dir
-        assert [e["restarts"] for e in of(m.run_dir, "restart")][-1] == 1
-    restored = {m.run_dir: of(m.run_dir, "restored")[-1] for m in machines}
+        assert recovery(m.run_dir, "restart")["restarts"] == 1
+    restored = {m.run_dir: recovery(m.run_dir) for m in machines}
     tiers = [restored[m.run_dir]["tier"] for m in machines]
     assert tiers == ["memory", "memory", "peer"], restored
     assert len({r["step"] for r in restored.values()}) == 1, restored
@@ -213,7 +214,7 @@ def test_three_machines_placement_group_lost_restores_from_storage(tmp_path, ref
     # only the first before the re-rendezvous, which replaces both
     reported = {e["node"] for e in of(a.run_dir, "node_lost")}
     assert reported and reported <= set(loss.lost_nodes), (reported, loss.lost_nodes)
-    restored = [of(m.run_dir, "restored")[-1] for m in [a, *newcomers]]
+    restored = [recovery(m.run_dir) for m in [a, *newcomers]]
     assert [r["tier"] for r in restored] == ["storage"] * 3, restored
     assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
     report("3 machines, a placement group lost", loss, restored[0]["step"])
