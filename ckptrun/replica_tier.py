@@ -47,7 +47,6 @@ NICE_ENV = "CKPTRUN_REPLICATION_NICE"
 
 def replication_nice() -> int:
     """CPU niceness of the replication threads (``CKPTRUN_REPLICATION_NICE``, default 0).
-
     With a positive value, rounds (the local copy, the checksums, the sends) and the
     receiving side of pushes yield the CPU to training on a machine whose cores are busy.
     The default is normal priority: on a loaded 2-core machine niceness 10 made a 64 MiB
@@ -276,7 +275,7 @@ class ReplicaTier:
             if got != step:
                 return  # rewritten meanwhile or corrupt: this round has no copy of ours
             own[r] = dst
-        sent: Dict[int, int] = {}
+        t_copied, sent = time.monotonic(), {}  # type: Dict[int, int]
         for peer in self.peers:
             addr, t_peer = self._addr(peer, self._rounds_store), time.monotonic()
             for r, path in own.items():
@@ -301,6 +300,8 @@ class ReplicaTier:
         self.lag_steps = None if newest is None else max(0, newest - step)
         if sent and now > t0:
             self.rate_mb_s = round(sum(sent.values()) / (now - t0) / 1e6, 1)
+        log.debug("round of step %d: local copy %.3f s, pushes %.3f s (%s MB/s), lag %s",
+                  step, t_copied - t0, now - t_copied, self.rate_mb_s, self.lag_steps)
         for peer, nbytes in sent.items():
             if now - self._last_event.get(peer, 0.0) >= EVENT_EVERY_S:
                 self._last_event[peer] = now
