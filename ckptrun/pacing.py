@@ -19,8 +19,16 @@ machine-loss runs lost 12 steps).
 
 Counting beats in windows is only unbiased if windows start at a random phase of the step:
 a round started by a fresh commit begins just after a beat, and would see too few of them.
-So every pause ends with a random extra wait of up to two beat intervals (``save()`` beats
-twice per step: as the copy starts and as it ends).
+So every pause is moved by a random amount of up to a beat interval either way (a spread
+of two intervals: ``save()`` beats once or twice per step), centred so that it does not
+lengthen the pause on average -- an added wait halved the share of time rounds ran at
+0.5 s steps, where it is a whole step.
+
+Evidence fades (see ``half_life_s``), and at a high duty the time without rounds is short:
+with slow steps it holds fewer than ``MIN_BEATS`` beats.  The thresholds therefore only
+gate the first estimate; after that the decayed rates are used as they are (falling back
+to the initial duty there made a job with free rounds and 0.5 s steps swing between
+0.95 and 0.5).
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class Pacer:
         # decayed sums: [beats, seconds] while a round ran ("active") and while none did
         self._active = [0.0, 0.0]
         self._idle = [0.0, 0.0]
+        self._primed = False  # both rates once rested on the minimum of beats
 
     def observe(self, active: bool, seconds: float, beats: float) -> None:
         """One window: ``seconds`` long, during which a round ran (``active``) or not, and
@@ -94,10 +103,14 @@ class Pacer:
         """Share of training progress lost while a round runs (0: none, 1: training
         stopped); None until both rates rest on enough beats."""
         idle_rate = self._idle[0] / self._idle[1] if self._idle[1] > 0 else 0.0
-        if idle_rate <= 0 or self._idle[0] < self.MIN_BEATS:
+        if idle_rate <= 0 or self._active[1] <= 0:
             return None
-        if self._active[1] * idle_rate < self.MIN_ACTIVE_BEATS:  # too little time with rounds
-            return None
+        if not self._primed:
+            if self._idle[0] < self.MIN_BEATS:
+                return None
+            if self._active[1] * idle_rate < self.MIN_ACTIVE_BEATS:  # too little round time
+                return None
+            self._primed = True
         active_rate = self._active[0] / self._active[1]
         return min(1.0, max(0.0, 1.0 - active_rate / idle_rate))
 
@@ -115,6 +128,6 @@ class Pacer:
         """Seconds to wait after a round of ``round_s`` seconds (0 when unpaced)."""
         if self.budget is None:
             return 0.0
-        f = self.duty()
-        jitter = self._rng.uniform(0.0, 2 * (self.beat_interval() or 0.0))
-        return max(0.0, round_s) * (1.0 / f - 1.0) + jitter
+        f, spread = self.duty(), self.beat_interval() or 0.0
+        return max(0.0, max(0.0, round_s) * (1.0 / f - 1.0)
+                   + self._rng.uniform(-spread, spread))

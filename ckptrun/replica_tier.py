@@ -40,8 +40,6 @@ KEY = "ckptrun/replica/"
 ROUND_TIMEOUT_S = 10.0
 EVENT_EVERY_S = 2.0  # `replicated` events per peer at most this often (rounds can be ms apart)
 COLD_ROUNDS = 2  # rounds that fill the two new copy files of a rank: not measured
-
-
 NICE_ENV = "CKPTRUN_REPLICATION_NICE"
 
 
@@ -190,12 +188,14 @@ class ReplicaTier:
                 continue
             rnd += 1
             if self.replicated_step is None or step > self.replicated_step:
-                t_work = self._window(True)
+                t_work, cold = self._window(True), self.rounds < COLD_ROUNDS
                 with self._busy:
                     self._replicate(step)
                 # only the copy and the pushes count: the agreement's wait is the peers'
-                # own pause, and counting it would make the pauses feed each other
-                self._stop.wait(self.pacer.pause(self._window(False) - t_work))
+                # own pause, and counting it would make the pauses feed each other.  A cold
+                # round (seconds long at 256 MiB) is no measure of the next: no pause after
+                pause = self.pacer.pause(self._window(False) - t_work)
+                self._stop.wait(0.0 if cold else pause)
 
     def _window(self, round_next: bool) -> float:
         """Close the window since the last mark (a round ran in it or not) and tell the

@@ -106,3 +106,27 @@ def test_closed_loop_keeps_the_slowdown_within_budget(cost):
         assert rounds_time / t > 0.5
     else:
         assert p.slowdown_while_active() == pytest.approx(cost, abs=0.12)
+
+
+def test_free_rounds_with_slow_steps_stay_back_to_back():
+    """Steps of 0.5 s (2 beats/s) and free rounds: once measured, rounds run nearly all the
+    time, and the little time left without rounds (too few beats to pass the first
+    estimate's threshold again) does not send the pacer back to its initial half."""
+    p = Pacer(0.05, rng=random.Random(3))
+    feed(p, idle_rate=2, active_rate=2, seconds=60, duty=0.5)
+    assert p.duty() == Pacer.MAX_DUTY
+    for _ in range(20):  # 2 minutes at the duty it chose
+        feed(p, idle_rate=2, active_rate=2, seconds=6, duty=p.duty())
+        assert p.duty() == Pacer.MAX_DUTY
+    feed(p, idle_rate=2, active_rate=1, seconds=120, duty=p.duty())  # now rounds cost
+    assert p.duty() < 0.2
+
+
+def test_the_random_phase_does_not_lengthen_pauses():
+    """Pauses are moved by up to a beat interval either way, not lengthened: at the initial
+    duty rounds still run about half of the time."""
+    p = Pacer(0.05, rng=random.Random(5))
+    p.observe(False, 1.0, 4.0)  # beats every 0.25 s; the cost is not known yet
+    pauses = [p.pause(0.25) for _ in range(4000)]
+    assert sum(pauses) / len(pauses) == pytest.approx(0.25, rel=0.05)
+    assert min(pauses) < 0.02 and max(pauses) > 0.48  # a spread of two intervals
