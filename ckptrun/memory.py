@@ -13,6 +13,7 @@ import glob
 import mmap
 import os
 import re
+import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -59,6 +60,9 @@ class NodeMemory:
         self._local_of: Dict[int, int] = {}
         self._maps = ShmMaps()  # populated read-only maps: verifying costs no page fault
         self._warmed = 0.0
+        # a rank has one ``pin`` field: readers in the agent's threads (the persister, the
+        # replication rounds) take turns holding it
+        self._pin_locks: Dict[int, threading.Lock] = {}
 
     def attach_control(self, block: ControlBlock, local_of: Dict[int, int]) -> None:
         """Let reads pin slots through ``block`` (``local_of``: global rank -> local rank)."""
@@ -206,8 +210,39 @@ class NodeMemory:
         k = self.steps(rank).get(step)
         if k is None:
             raise KeyError(f"rank {rank} has no committed step {step} in memory")
-        if pin is not None:
+        with self._pinning(pin, k):
+            yield from self._views(rank, k, step)
+
+    @contextlib.contextmanager
+    def hold(self, rank: int, step: int) -> Iterator[Optional[str]]:
+        """The path of the slot holding ``rank``'s committed ``step`` (None: not held), which
+        the worker does not choose for a save while it is held (with this node's control
+        block attached).  The worker may have chosen it just before: verify what is read."""
+        k = self.steps(rank).get(step)
+        if k is None:
+            yield None
+            return
+        with self._pinning(self._pin_ref(rank), k):
+            yield slot_path(self.slot_prefix(rank), k)
+
+    def _pin_ref(self, rank: int) -> Optional[PinRef]:
+        if self._control is None or rank not in self._local_of:
+            return None
+        return self._control, self._local_of[rank]
+
+    @contextlib.contextmanager
+    def _pinning(self, pin: Optional[PinRef], k: int) -> Iterator[None]:
+        if pin is None:
+            yield
+            return
+        with self._pin_locks.setdefault(pin[1], threading.Lock()):
             pin[0].set(pin[1], "pin", k)
+            try:
+                yield
+            finally:
+                pin[0].set(pin[1], "pin", -1)
+
+    def _views(self, rank: int, k: int, step: int) -> Iterator[Snapshot]:
         mm = self._open(rank, k)
         try:
             if mm is None:
@@ -224,8 +259,6 @@ class NodeMemory:
             if (after.state, after.step, after.seq) != (h.state, h.step, h.seq):
                 raise SlotChanged(f"slot {k} of rank {rank} was rewritten while being read")
         finally:
-            if pin is not None:
-                pin[0].set(pin[1], "pin", -1)
             if mm is not None:
                 with contextlib.suppress(BufferError):
                     mm.close()  # views handed out keep the map alive until they go
@@ -236,8 +269,7 @@ class NodeMemory:
         Raises :class:`SlotChanged` if the slot was rewritten during the copy, ``KeyError``
         if the step is not held.
         """
-        if pin is None and self._control is not None and rank in self._local_of:
-            pin = (self._control, self._local_of[rank])
+        pin = pin or self._pin_ref(rank)
         with self.pinned(rank, step, pin) as (meta, views):
             tensors = [v.clone() for v in views]
         return meta, tensors

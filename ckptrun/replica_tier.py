@@ -85,6 +85,8 @@ class ReplicaTier:
         sources = [n for n in range(self.n)
                    if n != self.node and self.node in placement.peers_of(n, self.n, self.m)]
         # a restore needs this node's ranks and its sources' ranks at one step
+        if self.memory is not None and getattr(agent, "control", None) is not None:  # pins
+            self.memory.attach_control(agent.control, {r: i for i, r in enumerate(self.ranks)})
         self.copies = PeerStore(agent.token, self.ranks + [
             n * cfg.nproc_per_node + lr for n in sources for lr in range(cfg.nproc_per_node)])
         self.secret = bytes.fromhex(self._agree_secret())
@@ -261,17 +263,16 @@ class ReplicaTier:
         t0 = time.monotonic()
         own: Dict[int, str] = {}
         for r in self.ranks:
-            k = self.memory.steps(r).get(step)
-            if k is None:  # the worker moved on and reused that slot: a later round
-                return
-            dst = self.copies.incoming_path(r)  # marks the rank busy until done()
-            if dst is None:
-                return
-            try:
-                got = copy_slot_file(P.slot_path(self.memory.slot_prefix(r), k), dst,
-                                     self.copies.maps)
-            finally:
-                self.copies.done(r)
+            # pinned while copied: with fast steps the worker reused the slot mid-copy in
+            # about one round of four, and the round was lost on this machine only
+            with self.memory.hold(r, step) as src:
+                dst = None if src is None else self.copies.incoming_path(r)  # busy until done
+                if dst is None:  # src None: the worker moved on past that step
+                    return
+                try:
+                    got = copy_slot_file(src, dst, self.copies.maps)
+                finally:
+                    self.copies.done(r)
             if got != step:
                 return  # rewritten meanwhile or corrupt: this round has no copy of ours
             own[r] = dst

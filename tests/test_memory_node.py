@@ -188,3 +188,36 @@ def test_attached_control_pins_reads(mem):
     mem.read(5, 2)
     assert pins == [(0, "pin", mem.steps(5)[2]), (0, "pin", -1)]
     block.close()
+
+
+def test_hold_pins_the_slot_and_readers_take_turns(mem):
+    """``hold`` (the replication rounds' copy) pins the slot like ``read`` (the persister's):
+    the worker's slot choice skips it, and the two agent threads never hold the rank's one
+    ``pin`` field at the same time (one would unpin the other's slot)."""
+    import threading
+
+    from ckptrun.slotset import SlotSet
+
+    block = ControlBlock(control_path(mem.job_token), nranks=1, create=True)
+    mem.attach_control(block, {0: 0})
+    for s in (1, 2):
+        mem.write(0, *snap(s), step=s)
+    k = mem.steps(0)[1]
+    with mem.hold(0, 1) as path:
+        assert path == f"{mem.slot_prefix(0)}{k}" and block.get(0, "pin") == k
+        mem.write(0, *snap(3), step=3)  # into the free slot; step 1 is now the oldest
+        writer = SlotSet(mem.slot_prefix(0), 3, keep=2)
+        assert writer.choose(block.get(0, "pin")) is None  # pinned: the save is skipped
+        done = threading.Event()
+        reader = threading.Thread(target=lambda: (mem.read(0, 2), done.set()))
+        reader.start()
+        assert not done.wait(0.3)  # the persister's read waits for the pin
+        assert block.get(0, "pin") == k
+    reader.join(5)
+    assert done.is_set() and block.get(0, "pin") == -1
+    with mem.hold(0, 1) as path:  # step 1 is still committed (the save was skipped)
+        assert path is not None
+    with mem.hold(0, 99) as path:
+        assert path is None and block.get(0, "pin") == -1
+    writer.close()
+    block.close()
