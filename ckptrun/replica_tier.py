@@ -45,6 +45,7 @@ NICE_ENV = "CKPTRUN_REPLICATION_NICE"
 
 def replication_nice() -> int:
     """CPU niceness of the replication threads (``CKPTRUN_REPLICATION_NICE``, default 0).
+
     With a positive value, rounds (the local copy, the checksums, the sends) and the
     receiving side of pushes yield the CPU to training on a machine whose cores are busy.
     The default is normal priority: on a loaded 2-core machine niceness 10 made a 64 MiB
@@ -84,9 +85,10 @@ class ReplicaTier:
         self.ranks = [self.node * cfg.nproc_per_node + lr for lr in range(cfg.nproc_per_node)]
         sources = [n for n in range(self.n)
                    if n != self.node and self.node in placement.peers_of(n, self.n, self.m)]
-        # a restore needs this node's ranks and its sources' ranks at one step
-        if self.memory is not None and getattr(agent, "control", None) is not None:  # pins
+        if self.memory is not None and getattr(agent, "control", None) is not None:
+            # rounds pin the slots they copy, as the durable tier's reads do
             self.memory.attach_control(agent.control, {r: i for i, r in enumerate(self.ranks)})
+        # a restore needs this node's ranks and its sources' ranks at one step
         self.copies = PeerStore(agent.token, self.ranks + [
             n * cfg.nproc_per_node + lr for n in sources for lr in range(cfg.nproc_per_node)])
         self.secret = bytes.fromhex(self._agree_secret())
@@ -140,6 +142,7 @@ class ReplicaTier:
     def checkpoint_status(self) -> dict:
         """``peer_step``: the newest step every holder has; ``peers``: each holder's own."""
         copies = dict(self.peer_copies)  # the rounds' thread replaces entries meanwhile
+        slow = self.pacer.slowdown_while_active()
         peers = [{"node": h, "holds_step": None, "mb_s": None, "updated": None,
                   **copies.get(h, {})} for h in self.holders]
         return {"peer_step": self.replicated_step, "replica_peers": self.peers,
@@ -148,7 +151,7 @@ class ReplicaTier:
                 "replication_round_s": self.round_s, "replication_lag_steps": self.lag_steps,
                 "replication_rounds": self.rounds,
                 "replication_duty": round(self.pacer.duty(), 4),
-                "replication_slowdown": _rounded(self.pacer.slowdown_while_active()),
+                "replication_slowdown": None if slow is None else round(slow, 4),
                 "replication_rate_mb_s": self.rate / 1e6 if self.rate else None}
 
     def restore_step(self, ranks: List[int], attempt: int,
@@ -387,10 +390,6 @@ class ReplicaTier:
 
     def _refused(self, peer: str) -> None:
         self.agent.events.emit("replication_refused", peer=peer)
-
-
-def _rounded(x: Optional[float]) -> Optional[float]:
-    return None if x is None else round(x, 4)
 
 
 def agent_extension(agent) -> Optional[ReplicaTier]:
