@@ -26,6 +26,7 @@ import torch
 
 from ckptrun import prefault
 from ckptrun import snapshot as S
+from ckptrun.clean_exit import collect_at_exit
 from ckptrun.heartbeat import worker_link
 from ckptrun.interval import SnapshotInterval
 from ckptrun.protocol import (
@@ -90,13 +91,12 @@ class Checkpointer:
             self._persist = StandalonePersister(self.persist_to, persist_every, self.rank,
                                                 self.world_size)
         self._copier = Copier()
+        collect_at_exit()  # the job's DDP/FSDP process groups go before shutdown, not in it
         self._pending: Optional[threading.Event] = None  # set when the background copy is done
         self._pending_error: Optional[BaseException] = None
         self._hooked: Dict[int, Any] = {}
         self._stream = None
-        self.saves = 0
-        self.skipped_saves = 0
-        self.last_block_s = 0.0
+        self.saves, self.skipped_saves, self.last_block_s = 0, 0, 0.0
         self.last_copy_s = 0.0  # background copy + checksum of the last save
         self.last_hash_s = 0.0  # the checksum's share of it
         self._closed = False

@@ -26,6 +26,12 @@ def main() -> None:
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
     ddp(torch.randn(2, 4)).sum().backward()
     ddp.probe = Probe(sys.argv[1])  # lives exactly as long as the module
+    if "--checkpointer" in sys.argv:  # a job using ckptrun's API (here under plain torchrun)
+        import ckptrun
+
+        ckpt = ckptrun.Checkpointer({"model": ddp})
+        ckpt.save(1)
+        ckpt.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,29 @@
+"""A full garbage collection before interpreter shutdown, in every process that trains with
+a :class:`~ckptrun.Checkpointer` (under the agent, plain ``torchrun`` or plain ``python``).
+
+DDP and FSDP modules sit in reference cycles with the process group they hold, so even after
+``destroy_process_group()`` the group lives until the garbage collector runs -- by default
+during interpreter shutdown, where gloo's threads releasing their tensors abort the process
+now and then ("terminate called without an active exception", SIGABRT after the job's last
+step: a needless restart under a launcher, a failed job under plain torchrun).  Collecting
+in an ``atexit`` handler, while the interpreter is still whole, tears such objects down like
+any other.  (The agent's worker bootstrap also collects as soon as the script returns.)
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import threading
+
+_lock = threading.Lock()
+_registered = False
+
+
+def collect_at_exit() -> None:
+    """Register, once per process, a full garbage collection at interpreter exit."""
+    global _registered
+    with _lock:
+        if not _registered:
+            atexit.register(gc.collect)
+            _registered = True
