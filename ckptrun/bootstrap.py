@@ -183,10 +183,13 @@ def main() -> None:
     if stacks:
         _register_stack_dump(stacks)
     del raw, args
+    from ckptrun.clean_exit import collect_at_exit
+
+    collect_at_exit()  # DDP/FSDP process groups go before shutdown, not in it
     try:
         _run(go)
     except SystemExit:
-        _finish()
+        _mark_done()
         raise
     except BaseException as exc:  # like the interpreter: hook (traceback), then exit 1
         tb = _user_traceback(exc.__traceback__)
@@ -197,21 +200,7 @@ def main() -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
-    _finish()
-
-
-def _finish() -> None:
-    """The script returned: not a hang from here on, and its garbage goes now.
-
-    DDP sits in a reference cycle with the process group it holds, so even after
-    ``destroy_process_group()`` the group lives until the collector runs -- by default
-    during interpreter shutdown, where gloo's threads releasing tensors abort the process
-    now and then (SIGABRT after the job's last step: a needless restart).  Collecting here,
-    with the interpreter whole, tears the group down like any other object."""
     _mark_done()
-    import gc
-
-    gc.collect()
 
 
 def _mark_done() -> None:

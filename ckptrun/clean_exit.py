@@ -1,5 +1,6 @@
-"""A full garbage collection before interpreter shutdown, in every process that trains with
-a :class:`~ckptrun.Checkpointer` (under the agent, plain ``torchrun`` or plain ``python``).
+"""A full garbage collection before interpreter shutdown, in every worker the agent starts
+and every process that creates a :class:`~ckptrun.Checkpointer` (plain ``torchrun`` or
+``python`` too).
 
 DDP and FSDP modules sit in reference cycles with the process group they hold, so even after
 ``destroy_process_group()`` the group lives until the garbage collector runs -- by default
@@ -7,7 +8,7 @@ during interpreter shutdown, where gloo's threads releasing their tensors abort 
 now and then ("terminate called without an active exception", SIGABRT after the job's last
 step: a needless restart under a launcher, a failed job under plain torchrun).  Collecting
 in an ``atexit`` handler, while the interpreter is still whole, tears such objects down like
-any other.  (The agent's worker bootstrap also collects as soon as the script returns.)
+any other.
 """
 
 from __future__ import annotations

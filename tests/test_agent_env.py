@@ -71,7 +71,7 @@ def test_worker_env_matches_torchrun(tmp_path, form, nproc):
 def test_ddp_garbage_is_collected_before_interpreter_shutdown(tmp_path):
     """DDP holds its process group in a reference cycle: left to the collector's pass at
     interpreter shutdown, gloo tears down there and sometimes aborts the worker after the
-    last step (a needless restart).  Workers collect it when the script returns."""
+    last step (a needless restart).  Workers collect it at exit, before the shutdown."""
     probe = tmp_path / "probe"
     cmd = ckptrun_cmd("--standalone", "--nproc-per-node", "1", "--run-dir",
                       str(tmp_path / "run"), os.path.join(SCRIPTS, "ddp_exit_probe.py"),
