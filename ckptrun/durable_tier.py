@@ -46,7 +46,7 @@ class DurableTier:
         if self.memory is None:
             return
         # reads pin the slot they copy, so the worker writes its next snapshots elsewhere
-        self.memory.attach_control(agent.control, {r: r - self.ranks[0] for r in self.ranks})
+        self.memory.attach_control(agent.control, self.ranks)
         reader, write = self._read, None
         if info.group_world_size > 1:
             self.rounds = PersistRounds(info.store, info.group_rank, info.group_world_size,

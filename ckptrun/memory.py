@@ -64,10 +64,11 @@ class NodeMemory:
         # replication rounds) take turns holding it
         self._pin_locks: Dict[int, threading.Lock] = {}
 
-    def attach_control(self, block: ControlBlock, local_of: Dict[int, int]) -> None:
-        """Let reads pin slots through ``block`` (``local_of``: global rank -> local rank)."""
+    def attach_control(self, block: ControlBlock, ranks: Sequence[int]) -> None:
+        """Let reads pin slots through ``block``, whose record ``i`` is ``ranks[i]``'s (this
+        node's global ranks in local-rank order)."""
         self._control = block
-        self._local_of = dict(local_of)
+        self._local_of = {r: lr for lr, r in enumerate(ranks)}
 
     def ranks(self) -> List[int]:
         """Global ranks that have slot files on this node."""

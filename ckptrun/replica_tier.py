@@ -87,7 +87,7 @@ class ReplicaTier:
                    if n != self.node and self.node in placement.peers_of(n, self.n, self.m)]
         if self.memory is not None and getattr(agent, "control", None) is not None:
             # rounds pin the slots they copy, as the durable tier's reads do
-            self.memory.attach_control(agent.control, {r: i for i, r in enumerate(self.ranks)})
+            self.memory.attach_control(agent.control, self.ranks)
         # a restore needs this node's ranks and its sources' ranks at one step
         self.copies = PeerStore(agent.token, self.ranks + [
             n * cfg.nproc_per_node + lr for n in sources for lr in range(cfg.nproc_per_node)])

@@ -180,7 +180,7 @@ def test_meta_checksum_matches_the_slot(mem):
 
 def test_attached_control_pins_reads(mem):
     block = ControlBlock(control_path(mem.job_token), nranks=1, create=True)
-    mem.attach_control(block, {5: 0})
+    mem.attach_control(block, [5])
     mem.write(5, *snap(2, 5), step=2)
     pins = []
     real = block.set
@@ -199,7 +199,7 @@ def test_hold_pins_the_slot_and_readers_take_turns(mem):
     from ckptrun.slotset import SlotSet
 
     block = ControlBlock(control_path(mem.job_token), nranks=1, create=True)
-    mem.attach_control(block, {0: 0})
+    mem.attach_control(block, [0])
     for s in (1, 2):
         mem.write(0, *snap(s), step=s)
     k = mem.steps(0)[1]
