@@ -17,12 +17,12 @@ what that costs once is nothing next to a job's length -- while starting at ``bu
 left a machine lost in its first minute with a peer copy many steps old (the benchmarks'
 machine-loss runs lost 12 steps).
 
-Counting beats in windows is only unbiased if windows start at a random phase of the step:
-a round started by a fresh commit begins just after a beat, and would see too few of them.
-So every pause is moved by a random amount of up to a beat interval either way (a spread
-of two intervals: ``save()`` beats once or twice per step), centred so that it does not
-lengthen the pause on average -- an added wait halved the share of time rounds ran at
-0.5 s steps, where it is a whole step.
+The windows are cut at the workers' beats (``ckptrun/beat_windows.py``), so they hold whole
+steps.  Rounds must still start at a random phase of the step: one started by a fresh commit
+always meets the same part of the step (the forward pass, say) and would measure only what
+it costs there.  So every pause is moved by a random amount of up to a beat interval either
+way, centred so that it does not lengthen the pause on average -- an added wait halved the
+share of time rounds ran at 0.5 s steps, where it is a whole step.
 
 Evidence fades (see ``half_life_s``), and at a high duty the time without rounds is short:
 with slow steps it holds fewer than ``MIN_BEATS`` beats.  The thresholds therefore only

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ckptrun import placement
 from ckptrun import protocol as P
+from ckptrun.beat_windows import BeatWindows
 from ckptrun.kvstore import own_client, wait_keys
 from ckptrun.pacing import Pacer
 from ckptrun.replication import PeerStore, copy_slot_file, lower_thread_priority
@@ -94,7 +95,8 @@ class ReplicaTier:
         self.secret = bytes.fromhex(self._agree_secret())
         self.nice = replication_nice()
         self.pacer = Pacer(cfg.replication_budget)
-        self._mark: Optional[Tuple[float, float, bool]] = None  # (time, beats, in a round)
+        self.windows = BeatWindows(self.pacer, getattr(agent, "control", None),
+                                   cfg.nproc_per_node)
         self.server = ReplicaServer(local_address(agent), self.secret, self.copies,
                                     on_refused=self._refused, local_copy=self._own_slot,
                                     put_nice=self.nice)
@@ -193,46 +195,19 @@ class ReplicaTier:
                 continue
             rnd += 1
             if self.replicated_step is None or step > self.replicated_step:
-                t_work, cold = self._window(True), self.rounds < COLD_ROUNDS
+                cold, t0 = self.rounds < COLD_ROUNDS, time.monotonic()
+                self.windows.round_starts()
                 with self._busy:
                     self._replicate(step)
-                # only the copy and the pushes count: the agreement's wait is the peers'
-                # own pause, and counting it would make the pauses feed each other.  A cold
-                # round (seconds long at 256 MiB) is no measure of the next: no pause after
-                pause = self.pacer.pause(self._window(False) - t_work)
+                # the first rounds write into new copy files (every page touched for the
+                # first time, while the workers still warm up): seconds long and nothing
+                # like the rest -- not measured, and no pause after them.  Only the copy
+                # and the pushes count: the agreement's wait is the peers' own pause, and
+                # counting it would make the pauses feed each other
+                took = time.monotonic() - t0
+                window = self.windows.round_ended(measure=not cold, stop=self._stop)
+                pause = self.pacer.pause(took if window is None else window)
                 self._stop.wait(0.0 if cold else pause)
-
-    def _window(self, round_next: bool) -> float:
-        """Close the window since the last mark (a round ran in it or not) and tell the
-        pacer how far the local workers got in it; returns the time.  Windows in which a
-        worker was not training (starting, restoring, done) say nothing about rounds."""
-        now, beats = time.monotonic(), self._beats()
-        mark, self._mark = self._mark, (None if beats is None else (now, beats, round_next))
-        # the first rounds write into new copy files (every page touched for the first
-        # time, while the workers still warm up): seconds long, and nothing like the rest
-        cold = mark is not None and mark[2] and self.rounds < COLD_ROUNDS
-        if mark is not None and beats is not None and beats >= mark[1] and not cold:
-            self.pacer.observe(mark[2], now - mark[0], beats - mark[1])
-        return now
-
-    def _beats(self) -> Optional[float]:
-        """Mean heartbeat count of the local workers, with the fraction of a beat interval
-        since each one's last beat added (windows are often shorter than a step: whole
-        beats alone make a noisy count); None unless all are training."""
-        ctl, n = getattr(self.agent, "control", None), self.agent.cfg.nproc_per_node
-        if ctl is None:  # no control block: nothing to measure
-            return None
-        interval, now, total = self.pacer.beat_interval(), time.monotonic(), 0.0
-        try:
-            for lr in range(n):
-                if ctl.get(lr, "phase") not in (P.Phase.RUNNING, P.Phase.SAVING):
-                    return None
-                total += ctl.get(lr, "beats")
-                if interval:  # heartbeat: the worker's time.monotonic(), one clock for all
-                    total += min(1.0, max(0.0, now - ctl.get(lr, "heartbeat")) / interval)
-        except (ValueError, IndexError):  # the block is closed: the agent is stopping
-            return None
-        return total / n
 
     def _newest_local(self) -> Optional[int]:
         """Newest step every local rank has committed (headers only: cheap)."""
