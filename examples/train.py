@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from ckptrun.adapters.ddp import make_exact
 
 import ckptrun
 
@@ -38,24 +39,6 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 32, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin()
-
-
-def per_gradient_allreduce(state, bucket):
-    """A DDP comm hook: all-reduce every gradient of the bucket on its own, then average.
-
-    Not needed by ckptrun -- it keeps a resumed run *bitwise* equal to an uninterrupted one.
-    DDP regroups the gradients of a bucket (execution order) after the first iteration of
-    every process, so also after a restore; with more than two ranks the float sums of one
-    all-reduce of the whole bucket depend on where each value sits in it, and the first
-    steps after a restore would differ in the last bit.
-    """
-    buf, off = bucket.buffer(), 0
-    for p in bucket.parameters():
-        dist.all_reduce(buf[off : off + p.numel()])
-        off += p.numel()
-    fut = torch.futures.Future()
-    fut.set_result(buf.div_(dist.get_world_size()))
-    return fut
 
 
 def inject_failure(args: argparse.Namespace, step: int, rank: int) -> None:
@@ -92,7 +75,8 @@ def main() -> None:
     model = build_model()
     ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
     if distributed:
-        ddp.register_comm_hook(None, per_gradient_allreduce)
+        # bitwise equal to an uninterrupted run after a restore, at any world size
+        make_exact(ddp)
     optim = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=20, gamma=0.5)
     torch.manual_seed(1 + rank)  # per-rank dropout stream; captured in every snapshot

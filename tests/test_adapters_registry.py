@@ -3,6 +3,7 @@ and exact single-copy storage of replicated tensors."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from adapter_util import run
 
 import ckptrun
 from ckptrun import adapters, storage
@@ -81,3 +83,14 @@ def test_replicated_tensors_are_stored_once_and_exact(tmp_path):
     sd = {"rank1/model/weight": torch.zeros(256, 256)}  # plain DCP reads the aliased key
     dcp.load(sd, checkpoint_id=os.path.join(url, "step-1"), no_dist=True)
     assert torch.equal(sd["rank1/model/weight"], m.weight)
+
+
+def test_make_exact_gives_the_same_bits_whatever_the_bucket_layout(tmp_path):
+    """DDP regroups its buckets after a restore; with ``make_exact`` the averaged gradients
+    do not depend on the layout (3 ranks, where one all-reduce of a bucket does)."""
+    out = tmp_path / "probe.json"
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_bucket_probe.py")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "3", script, str(out)])
+    result = json.loads(out.read_text())
+    assert result["exact"] and result["correct"], result
