@@ -66,8 +66,14 @@ def exact_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
         works.append(dist.all_reduce(buf[off:off + p.numel()], group=group, async_op=True))
         off += p.numel()
     size = dist.get_world_size(group)
-    done = torch.futures.collect_all([w.get_future() for w in works])
-    return done.then(lambda _: buf.div_(size))
+
+    def average(done: torch.futures.Future) -> torch.Tensor:
+        # a callback that does not read the result drops its error: a dead peer's failed
+        # all-reduce then let this rank go on training alone, on partial sums
+        for fut in done.value():
+            fut.value()
+        return buf.div_(size)
+    return torch.futures.collect_all([w.get_future() for w in works]).then(average)
 
 
 def make_exact(model: torch.nn.parallel.DistributedDataParallel,

@@ -94,3 +94,12 @@ def test_make_exact_gives_the_same_bits_whatever_the_bucket_layout(tmp_path):
          "3", script, str(out)])
     result = json.loads(out.read_text())
     assert result["exact"] and result["correct"], result
+
+
+def test_make_exact_fails_the_step_when_a_peer_dies(tmp_path):
+    """A failed all-reduce must raise in backward: the survivor must not train on alone."""
+    out = tmp_path / "probe.json"
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_bucket_probe.py")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", script, str(out), "peer-dies"])
+    assert json.loads(out.read_text()) == {"raised": True}

@@ -3,11 +3,17 @@
 Writes ``{"exact": bool, "plain": bool, "correct": bool}`` (rank 0) to argv[1]: whether the
 two layouts gave bitwise-equal gradients with ``make_exact`` and without it, and whether the
 exact hook's result equals the plain all-reduce mean to float tolerance.
+
+``argv[2] == "peer-dies"``: the last rank exits in the middle of the job instead, and rank 0
+writes ``{"raised": bool}``: whether its next backward with ``make_exact`` failed (it must:
+a step on partial sums would train on silently wrong gradients).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import sys
 
 import torch
@@ -29,8 +35,29 @@ def grads(exact: bool, bucket_cap_mb: float) -> list:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def peer_dies(out: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    ddp = make_exact(nn.parallel.DistributedDataParallel(model))
+    for _ in range(2):  # every rank: good steps, the second with the rebuilt buckets
+        ddp(torch.randn(8, 64)).sum().backward()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        os._exit(0)
+    try:
+        ddp(torch.randn(8, 64)).sum().backward()
+        raised = False
+    except Exception:  # gloo's error for the closed connection
+        raised = True
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"raised": raised}, f)
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    if sys.argv[2:] == ["peer-dies"]:
+        return peer_dies(sys.argv[1])
     same = {}
     for exact in (True, False):
         a, b = grads(exact, 0.05), grads(exact, 25.0)  # many small buckets vs one large
