@@ -207,6 +207,8 @@ class ReplicaTier:
                 took = time.monotonic() - t0
                 window = self.windows.round_ended(measure=not cold, stop=self._stop)
                 pause = self.pacer.pause(took if window is None else window)
+                log.debug("round %d: %.3f s, window %s, pause %.3f s (duty %.2f)", rnd, took,
+                          window and round(window, 3), pause, self.pacer.duty())
                 self._stop.wait(0.0 if cold else pause)
 
     def _newest_local(self) -> Optional[int]:
