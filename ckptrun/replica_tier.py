@@ -194,22 +194,30 @@ class ReplicaTier:
             if step is None:  # stopped while waiting
                 continue
             rnd += 1
-            if self.replicated_step is None or step > self.replicated_step:
-                cold, t0 = self.rounds < COLD_ROUNDS, time.monotonic()
-                self.windows.round_starts()
-                with self._busy:
-                    self._replicate(step)
-                # the first rounds write into new copy files (every page touched for the
-                # first time, while the workers still warm up): seconds long and nothing
-                # like the rest -- not measured, and no pause after them.  Only the copy
-                # and the pushes count: the agreement's wait is the peers' own pause, and
-                # counting it would make the pauses feed each other
-                took = time.monotonic() - t0
-                window = self.windows.round_ended(measure=not cold, stop=self._stop)
-                pause = self.pacer.pause(took if window is None else window)
-                log.debug("round %d: %.3f s, window %s, pause %.3f s (duty %.2f)", rnd, took,
-                          window and round(window, 3), pause, self.pacer.duty())
-                self._stop.wait(0.0 if cold else pause)
+            if not (self.replicated_step is None or step > self.replicated_step):
+                # a peer has not committed our newest step yet (it commits a moment
+                # later, or its workers start later after a restore): asking again at
+                # once made hundreds of empty rounds a second (store traffic and CPU of
+                # both agents, also while the workers restart)
+                log.debug("round %s/%s: nothing new (step %s, newest here %s)", attempt, rnd,
+                          step, newest)
+                self._stop.wait(0.02)
+                continue
+            cold, t0 = self.rounds < COLD_ROUNDS, time.monotonic()
+            self.windows.round_starts()
+            with self._busy:
+                self._replicate(step)
+            # the first rounds write into new copy files (every page touched for the
+            # first time, while the workers still warm up): seconds long and nothing
+            # like the rest -- not measured, and no pause after them.  Only the copy
+            # and the pushes count: the agreement's wait is the peers' own pause, and
+            # counting it would make the pauses feed each other
+            took = time.monotonic() - t0
+            window = self.windows.round_ended(measure=not cold, stop=self._stop)
+            pause = self.pacer.pause(took if window is None else window)
+            log.debug("round %d: %.3f s, window %s, pause %.3f s (duty %.2f)", rnd, took,
+                      window and round(window, 3), pause, self.pacer.duty())
+            self._stop.wait(0.0 if cold else pause)
 
     def _newest_local(self) -> Optional[int]:
         """Newest step every local rank has committed (headers only: cheap)."""
