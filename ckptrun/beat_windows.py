@@ -76,8 +76,7 @@ class BeatWindows:
         return max(0.0, end[0] - start[0])
 
     def _next_beat(self, stop: Optional[threading.Event]) -> Optional[Mark]:
-        now = self.read()
-        if now is None or self.control is None:
+        if self.control is None or self.read() is None:  # not training: nothing to wait for
             return None
         counts = [self.control.get(lr, "beats") for lr in range(self.nranks)]
         interval = self.pacer.beat_interval()

@@ -209,9 +209,9 @@ class ReplicaTier:
                 self._replicate(step)
             # the first rounds write into new copy files (every page touched for the
             # first time, while the workers still warm up): seconds long and nothing
-            # like the rest -- not measured, and no pause after them.  Only the copy
-            # and the pushes count: the agreement's wait is the peers' own pause, and
-            # counting it would make the pauses feed each other
+            # like the rest -- not measured, and no pause after them.  The window opens
+            # after the agreement: its wait is the peers' own pause, and counting it
+            # would make the pauses feed each other
             took = time.monotonic() - t0
             window = self.windows.round_ended(measure=not cold, stop=self._stop)
             pause = self.pacer.pause(took if window is None else window)
