@@ -60,6 +60,10 @@ class Copier:
                 done.set()
 
     def stop(self) -> None:
+        """End the thread and wait for it: a daemon thread still alive when the interpreter
+        finalizes is stopped wherever it is, and inside torch's C++ that aborts the process
+        ("terminate called without an active exception")."""
         if self._thread is not None:
             self._q.put(None)
+            self._thread.join(timeout=10.0)
             self._thread = None

@@ -209,3 +209,18 @@ def test_numpy_state_restores_without_writing_into_readonly_arrays():
     assert state["ro"].tolist() == [1, 2, 3, 4] and state["rw"] is rw  # writable: in place
     assert rw.tolist() == [0.0, 1.0, 2.0, 3.0]
     ck.close()
+
+
+def test_close_ends_the_background_threads():
+    """No ckptrun thread outlives close(): a daemon thread still running when the interpreter
+    finalizes is stopped inside whatever it runs, and the plain-python HF job aborted at exit
+    now and then ("terminate called without an active exception")."""
+    model, opt, sched = make_job()
+    extra = {"losses": [], "seen": 0}
+    ck = ckptrun.Checkpointer({"model": model, "optim": opt, "sched": sched})
+    for step in range(1, 4):
+        train_step(model, opt, sched, extra)
+        ck.save(step)
+    assert any(t.name.startswith("ckptrun-") for t in threading.enumerate())
+    ck.close()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ckptrun-")] == []
