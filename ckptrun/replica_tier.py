@@ -214,11 +214,7 @@ class ReplicaTier:
             # would make the pauses feed each other
             took = time.monotonic() - t0
             window = self.windows.round_ended(measure=not cold, stop=self._stop)
-            # until the cost is measured the pause is sized from the round alone: sized
-            # from its window (a step or two longer) the first seconds of a job copied
-            # only every few steps, and a machine lost then lost 5 steps
-            known = window is not None and self.pacer.slowdown_while_active() is not None
-            pause = self.pacer.pause(window if known else took)
+            pause = self.pacer.pause(took if window is None else window)
             log.debug("round %d: %.3f s, window %s, pause %.3f s (duty %.2f)", rnd, took,
                       window and round(window, 3), pause, self.pacer.duty())
             self._stop.wait(0.0 if cold else pause)
