@@ -7,7 +7,8 @@ Flags: --steps N, --step-time S, --fail-rank R, and (first attempt only, on rank
 "start" when the script begins, "beat1" at the first heartbeat, "kill" just before a crash.
 --no-pg skips the process group; --grandchild starts a ``sleep 300`` child (orphan tests);
 --trap-sigterm records a SIGTERM (a "sigterm" mark) and carries on; --slow-save S spends S
-seconds of every step in phase SAVING, between "saving" and "saved" marks (except on R).
+seconds of every step in phase SAVING, between "saving" and "saved" marks (except on R);
+with it, --crash-at waits until another rank is inside such a copy.
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ def mark(path, what: str, **kw) -> None:
                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), **kw}
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def wait_for_peer_saving(path: str, rank: int, timeout: float = 60.0) -> None:
+    """Block until another rank's latest mark is "saving" (it is inside a snapshot copy)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        latest: dict[int, str] = {}
+        with open(path) as f:
+            for line in f:
+                if not line.endswith("\n"):  # a mark being written
+                    break
+                rec = json.loads(line)
+                if rec["rank"] != rank and rec["what"] in ("saving", "saved"):
+                    latest[rec["rank"]] = rec["what"]
+        if "saving" in latest.values():
+            return
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -86,6 +104,8 @@ def main() -> None:
         if not (victim and first):
             continue
         if step == args.crash_at:
+            if args.slow_save:  # crash inside a peer's copy, however late the peer started
+                wait_for_peer_saving(args.marks, rank)
             mark(args.marks, "kill")
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.raise_at:
