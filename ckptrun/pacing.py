@@ -20,9 +20,11 @@ machine-loss runs lost 12 steps).
 The windows are cut at the workers' beats (``ckptrun/beat_windows.py``), so they hold whole
 steps.  Rounds must still start at a random phase of the step: one started by a fresh commit
 always meets the same part of the step (the forward pass, say) and would measure only what
-it costs there.  So every pause is moved by a random amount of up to a beat interval either
-way, centred so that it does not lengthen the pause on average -- an added wait halved the
-share of time rounds ran at 0.5 s steps, where it is a whole step.
+it costs there.  So every pause is moved by a random amount of up to half a beat interval
+either way (a spread of one interval is every phase), centred so that it does not lengthen
+the pause on average -- an added wait halved the share of time rounds ran at 0.5 s steps,
+where it is a whole step.  A wider spread only made the pauses of the agents, which start
+a round together once all of them are ready, wait on the longest one.
 
 Evidence fades (see ``half_life_s``), and at a high duty the time without rounds is short:
 with slow steps it holds fewer than ``MIN_BEATS`` beats.  The thresholds therefore only
@@ -128,6 +130,5 @@ class Pacer:
         """Seconds to wait after a round of ``round_s`` seconds (0 when unpaced)."""
         if self.budget is None:
             return 0.0
-        f, spread = self.duty(), self.beat_interval() or 0.0
-        return max(0.0, max(0.0, round_s) * (1.0 / f - 1.0)
-                   + self._rng.uniform(-spread, spread))
+        f, half = self.duty(), 0.5 * (self.beat_interval() or 0.0)
+        return max(0.0, max(0.0, round_s) * (1.0 / f - 1.0) + self._rng.uniform(-half, half))
