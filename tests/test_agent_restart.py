@@ -21,7 +21,10 @@ def test_sigkill_worker_is_restarted(tmp_path, ckptrun_run):
     assert p.returncode == 0, p.stderr[-3000:]
     evts = run_events(run_dir)
     failed = of(evts, "worker_failed")
-    assert failed and failed[0]["rank"] == 1 and failed[0]["signal"] == "SIGKILL", evts
+    # rank 0's all_reduce can fail on the dead peer's connection before the agent looks
+    # again (CI once, under load): then both are reported, rank order, in the same poll
+    assert (1, "SIGKILL") in [(e["rank"], e.get("signal")) for e in failed], evts
+    assert all(e["rank"] == 1 or e.get("exit_code") for e in failed), evts
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
     assert of(evts, "start")[0]["nnodes"] == 1 and of(evts, "start")[0]["nproc_per_node"] == 2
     assert of(evts, "finished")[-1]["exit_code"] == 0
