@@ -5,18 +5,19 @@ keys appear or the wait times out.  Threads that share a client therefore queue 
 other's waits: two threads waiting in 0.5 s slices kept a third one's ``add`` out for 2 s on an
 idle machine, and for over 5 s on a busy one -- the liveness thread's heartbeat then stopped
 and healthy machines were declared lost.  Every thread that talks to the store on its own gets
-its own client (:func:`own_client`), and waits go in short slices (:func:`wait_keys`) so that a
-thread can be stopped, or notice a lost machine, while it waits.
+its own client (:func:`own_client`), and waits never hold a client: :func:`wait_keys` asks
+the store again and again, so that a thread can be stopped, or notice a lost machine, while
+it waits.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
-WAIT_SLICE_S = 0.5
+WAIT_SLICE_S = 0.5  # the longest interval between two looks at the store
+FIRST_POLL_S = 0.001
 
 
 def own_client(store):
@@ -34,21 +35,30 @@ def wait_keys(store, keys: Sequence[str], timeout_s: float, *,
               stop: Optional[threading.Event] = None,
               check: Optional[Callable[[], None]] = None,
               slice_s: float = WAIT_SLICE_S) -> bool:
-    """Wait until every key in ``keys`` is set, in slices of ``slice_s`` seconds (the store
-    answers as soon as the keys appear; the slice only bounds how late a stop is noticed).
+    """Wait until every key in ``keys`` is set, asking the store (``check``) at intervals
+    that grow from 1 ms to ``slice_s`` seconds: a key that appears soon is seen within a few
+    ms, and a long wait costs the store host a request per ``slice_s``.
 
-    True once the keys exist; False when ``stop`` is set while they do not; between slices
+    Not ``store.wait`` in slices: torch's TCPStore client writes two C++ warnings to stderr
+    ("waitForInput ... likely a timeout") every time such a wait times out, and the agents'
+    logs filled with them -- several a second in steady state, forty a second while a peer
+    was gone.  ``check`` answers at once and logs nothing.
+
+    True once the keys exist; False when ``stop`` is set while they do not; between polls
     ``check()`` may raise to abandon the wait (e.g. a machine of the round is lost).  After
-    ``timeout_s`` the store's own timeout error propagates."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            store.wait(list(keys), timedelta(seconds=slice_s))
-            return True
-        except Exception:  # noqa: BLE001 -- torch raises its own timeout error types
-            if stop is not None and stop.is_set():
-                return False
-            if check is not None:
-                check()
-            if time.monotonic() > deadline:
-                raise
+    ``timeout_s``: TimeoutError."""
+    keys = list(keys)
+    deadline, nap = time.monotonic() + timeout_s, FIRST_POLL_S
+    while not store.check(keys):
+        if stop is not None and stop.is_set():
+            return False
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store keys not set after {timeout_s:.0f} s: {keys[:4]}")
+        if stop is not None:
+            stop.wait(nap)
+        else:
+            time.sleep(nap)
+        nap = min(slice_s, nap * 1.5)
+    return True
