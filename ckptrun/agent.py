@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 from ckptrun import protocol as P
 from ckptrun.config import AgentConfig
-from ckptrun.events import EventLog, ensure_run_dir, read_json, write_json_atomic
+from ckptrun.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
 from ckptrun.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.interval import ENV_EVERY
 from ckptrun.membership import (
@@ -75,7 +75,7 @@ class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         self.run_dir = ensure_run_dir(cfg.run_dir)
-        self.events = EventLog(self.run_dir)
+        self.events = EventLog(self.run_dir, echo=to_stderr)
         self.token = secrets.token_hex(6)  # distinct per agent: two agents on one host
         self.hang = HangDetector(cfg.hang_timeout)
         self.workers: List[Worker] = []

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 EVENTS_FILE = "events.jsonl"
 STATUS_FILE = "status.json"
@@ -41,8 +42,9 @@ class EventLog:
     concurrent writers never interleave within a line.
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, echo: Optional[Callable[[str], None]] = None) -> None:
         self.run_dir = ensure_run_dir(run_dir)
+        self.echo = echo  # gets :func:`describe`'s line for the events a person should see
         self.path = os.path.join(self.run_dir, EVENTS_FILE)
         self._lock = threading.Lock()  # one write at a time from this process's threads
         self._fd: Optional[int] = os.open(
@@ -68,6 +70,9 @@ class EventLog:
             # next record does not glue onto a torn one.
             while written < len(line):
                 written += os.write(self._fd, line[written:])
+        text = describe(record) if self.echo is not None else None
+        if text:
+            self.echo(text)
         return record
 
     def close(self) -> None:
@@ -88,6 +93,53 @@ class EventLog:
             self.close()
         except Exception:
             pass
+
+
+def describe(e: Dict[str, Any]) -> Optional[str]:
+    """One line for a person (the agent's stderr, ``ckptrun status``) about a failure or a
+    recovery; None for routine events (a step persisted or replicated, the start, a job
+    that succeeded), which the status table shows instead."""
+    kind, rank = e.get("event"), e.get("rank")
+    attempt = f" (attempt {e['attempt']})" if e.get("attempt") is not None else ""
+    if kind == "worker_failed":
+        if e.get("fatal"):
+            return f"rank {rank} declared a fatal error (code {e['fatal']}): no restart{attempt}"
+        how = (f"was killed by {e['signal']}" if e.get("signal") is not None
+               else f"exited with code {e.get('exit_code')}")
+        return f"rank {rank} {how}{attempt}"
+    if kind == "hang_detected":
+        return f"rank {rank} hung: no heartbeat for {_secs(e.get('seconds_silent'))}{attempt}"
+    if kind == "stacks_dumped":
+        return f"stacks of the hung workers are in {e.get('path')}"
+    if kind == "node_lost":
+        at = f", its ranks at step {e['step']}" if e.get("step") is not None else ""
+        return (f"machine {e.get('node')} lost: no heartbeat for "
+                f"{_secs(e.get('seconds_silent'))}{at}{attempt}")
+    if kind == "restart":
+        return (f"restarting the workers: attempt {e.get('attempt')}, "
+                f"{e.get('restarts')} restart(s) of the budget used")
+    if kind == "restored":
+        return f"restored step {e.get('step')} from {e.get('tier')} in {_secs(e.get('seconds'))}"
+    if kind == "persist_failed":
+        return f"persisting step {e.get('step')} failed: {e.get('error')}"
+    if kind == "replication_refused":
+        return f"refused a replication connection without the job's secret from {e.get('peer')}"
+    if kind == "finished" and e.get("exit_code"):
+        return f"the job failed (exit code {e['exit_code']})"
+    return None
+
+
+def to_stderr(text: str) -> None:
+    """The agent's echo: ``ckptrun: <line>`` on stderr, beside its workers' output."""
+    try:
+        sys.stderr.write(f"ckptrun: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed or gone: the event log has it anyway
+        pass
+
+
+def _secs(value: Any) -> str:
+    return f"{value:.2f} s" if isinstance(value, (int, float)) else "? s"
 
 
 def read_events(run_dir: str) -> List[Dict[str, Any]]:

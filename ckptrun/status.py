@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import click
 
-from ckptrun.events import EVENTS_FILE, STATUS_FILE, read_events, read_json
+from ckptrun.events import EVENTS_FILE, STATUS_FILE, describe, read_events, read_json
 
 RUNS_DIR = "ckptrun-runs"
 LIVE_STATES = ("starting", "running", "restarting")
@@ -175,15 +175,8 @@ def _when(ts: Any) -> str:
 
 
 def _failure_text(e: Dict[str, Any]) -> str:
-    kind = e.get("event", "?")
-    if kind == "worker_failed":
-        how = f"signal {e['signal']}" if e.get("signal") is not None else f"exit {e.get('exit_code')}"
-        return f"rank {e.get('rank')} failed ({how})"
-    if kind == "hang_detected":
-        return f"rank {e.get('rank')} hung ({_age(e.get('seconds_silent'))} without heartbeat)"
-    if kind == "persist_failed":
-        return f"persisting step {e.get('step')} failed: {e.get('error')}"
-    return json.dumps({k: v for k, v in e.items() if k not in ("time", "event")}, default=str)
+    return describe(e) or json.dumps({k: v for k, v in e.items() if k not in ("time", "event")},
+                                     default=str)
 
 
 _STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red",

@@ -25,6 +25,7 @@ def test_sigkill_worker_is_restarted(tmp_path, ckptrun_run):
     # again (CI once, under load): then both are reported, rank order, in the same poll
     assert (1, "SIGKILL") in [(e["rank"], e.get("signal")) for e in failed], evts
     assert all(e["rank"] == 1 or e.get("exit_code") for e in failed), evts
+    assert "ckptrun: rank 1 was killed by SIGKILL (attempt 0)" in p.stderr.splitlines()
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
     assert of(evts, "start")[0]["nnodes"] == 1 and of(evts, "start")[0]["nproc_per_node"] == 2
     assert of(evts, "finished")[-1]["exit_code"] == 0

@@ -91,6 +91,11 @@ def test_worker_failure_restores_from_memory_bitwise(tmp_path, reference, failur
     assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
     assert of(evts, "finished")[-1]["exit_code"] == 0
     no_shm_left(run_dir)
+    # the agent tells the person watching the job what failed and how it recovered
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ckptrun: ")]
+    assert any(line.startswith("ckptrun: rank 1 ") for line in said), said
+    assert "ckptrun: restarting the workers: attempt 1, 1 restart(s) of the budget used" in said
+    assert f"restored step {restored[0]['step']} from memory in " in "\n".join(said)
 
 
 def test_corrupted_memory_copy_is_never_loaded(tmp_path, reference):

@@ -10,7 +10,14 @@ import time
 
 import pytest
 
-from ckptrun.events import EVENTS_FILE, EventLog, read_events, read_json, write_json_atomic
+from ckptrun.events import (
+    EVENTS_FILE,
+    EventLog,
+    describe,
+    read_events,
+    read_json,
+    write_json_atomic,
+)
 
 
 def test_emit_appends_one_json_line(tmp_path):
@@ -118,3 +125,43 @@ def test_read_json_missing_or_invalid(tmp_path):
     assert read_json(str(tmp_path / "none.json")) is None
     (tmp_path / "bad.json").write_text("{")
     assert read_json(str(tmp_path / "bad.json")) is None
+
+
+def test_failures_and_recoveries_are_echoed_one_line_each(tmp_path):
+    """The agent echoes what a person should see; routine events stay in the log only."""
+    lines: list = []
+    log = EventLog(str(tmp_path), echo=lines.append)
+    log.emit("start", nnodes=1, nproc_per_node=2)
+    log.emit("worker_failed", rank=1, attempt=0, signal="SIGKILL")
+    log.emit("worker_failed", rank=0, attempt=0, exit_code=1)
+    log.emit("restart", attempt=1, restarts=1)
+    log.emit("restored", step=25, tier="memory", seconds=0.0213)
+    log.emit("persisted", step=30, url="file:///x/step-30", bytes=10, seconds=0.1)
+    log.emit("replicated", step=30, peer=1, bytes=10, seconds=0.01)
+    log.emit("persist_failed", step=40, error="disk full")
+    log.emit("finished", exit_code=0)
+    log.close()
+    assert lines == ["rank 1 was killed by SIGKILL (attempt 0)",
+                     "rank 0 exited with code 1 (attempt 0)",
+                     "restarting the workers: attempt 1, 1 restart(s) of the budget used",
+                     "restored step 25 from memory in 0.02 s",
+                     "persisting step 40 failed: disk full"]
+    assert len(read_events(str(tmp_path))) == 9  # everything is in the log
+
+
+@pytest.mark.parametrize("event, fields, text", [
+    ("hang_detected", {"rank": 2, "seconds_silent": 30.5, "attempt": 1},
+     "rank 2 hung: no heartbeat for 30.50 s (attempt 1)"),
+    ("node_lost", {"node": 1, "seconds_silent": 5.3, "step": 9, "attempt": 0},
+     "machine 1 lost: no heartbeat for 5.30 s, its ranks at step 9 (attempt 0)"),
+    ("worker_failed", {"rank": 0, "exit_code": 2, "fatal": 7},
+     "rank 0 declared a fatal error (code 7): no restart"),
+    ("stacks_dumped", {"path": "/r/stacks-1.txt"}, "stacks of the hung workers are in /r/stacks-1.txt"),
+    ("replication_refused", {"peer": "127.0.0.1:5"},
+     "refused a replication connection without the job's secret from 127.0.0.1:5"),
+    ("finished", {"exit_code": 1}, "the job failed (exit code 1)"),
+    ("finished", {"exit_code": 0}, None),
+    ("start", {"nnodes": 1}, None),
+])
+def test_describe(event, fields, text):
+    assert describe({"time": 0.0, "event": event, **fields}) == text

@@ -132,7 +132,7 @@ def test_table(tmp_path):
     assert result.exit_code == 0, result.output
     out = result.output
     for text in ("job1", "running", "workers", "checkpoint", "memory", "peer", "storage",
-                 "/tmp/ck/step-30", "recent failures", "rank 1 failed (signal SIGKILL)",
+                 "/tmp/ck/step-30", "recent failures", "rank 1 was killed by SIGKILL",
                  "disk full", "1001", "42"):
         assert text in out, text
 
