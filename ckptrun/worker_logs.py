@@ -87,12 +87,17 @@ class Pump(threading.Thread):
                 lines = (pending + chunk).split(b"\n")
                 pending = lines.pop()
                 if lines:
-                    self._show(b"".join(self.prefix + ln + b"\n" for ln in lines))
+                    self._show(b"".join(self._label(ln) + b"\n" for ln in lines))
         if self.console is not None and pending:
-            self._show(self.prefix + pending + b"\n")
+            self._show(self._label(pending) + b"\n")
         os.close(self.fd)
         if self.log is not None:
             self.log.close()
+
+    def _label(self, line: bytes) -> bytes:
+        # torch's own excepthook already starts a distributed worker's traceback lines
+        # with "[rank<N>]: ": labelled twice, they read "[rank0]: [rank0]: Traceback"
+        return line if line.startswith(self.prefix) else self.prefix + line
 
     def _show(self, data: bytes) -> None:
         with _console_lock:

@@ -23,6 +23,17 @@ def test_default_prefixed_console_and_files(tmp_path, ckptrun_run):
         assert mode & 0o777 == 0o600
 
 
+def test_lines_already_labelled_are_not_labelled_twice(tmp_path, ckptrun_run):
+    """torch labels a distributed worker's uncaught traceback ``[rank<N>]: `` itself."""
+    script = tmp_path / "labels.py"
+    script.write_text('import os\nr = os.environ["RANK"]\n'
+                      'print(f"[rank{r}]: Traceback (labelled by torch)")\nprint("plain")\n')
+    p = ckptrun_run("--standalone", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "r"),
+                    str(script))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["[rank0]: Traceback (labelled by torch)", "[rank0]: plain"]
+
+
 def test_torchrun_tee_and_filter(tmp_path, ckptrun_run):
     log_dir = str(tmp_path / "logs")
     p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "r"),
