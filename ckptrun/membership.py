@@ -172,12 +172,11 @@ def replace_nodes(agent, lost: NodeLost) -> bool:
     attempt = agent.epoch.attempt
     # how far this node's workers got: steps lost = this minus the step restored next
     steps = [agent.control.record(w.local_rank)["step"] for w in agent.workers]
-    for node in lost.nodes:
-        agent.events.emit("node_lost", node=node, attempt=attempt,
-                          seconds_silent=round(lost.silent_s, 3),
-                          step=min(steps) if steps else None)
-    agent.failures = (agent.failures + [{"time": time.time(), "event": "node_lost",
-                                         "nodes": lost.nodes, "attempt": attempt}])[-20:]
+    for node in lost.nodes:  # the status file's recent failures get the event itself
+        rec = agent.events.emit("node_lost", node=node, attempt=attempt,
+                                seconds_silent=round(lost.silent_s, 3),
+                                step=min(steps) if steps else None)
+        agent.failures = (agent.failures + [rec])[-20:]
     agent.state = "restarting"
     agent._write_status(force=True)
     with contextlib.suppress(Exception):  # the store host may be among the lost

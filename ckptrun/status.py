@@ -20,7 +20,7 @@ from ckptrun.events import EVENTS_FILE, STATUS_FILE, describe, read_events, read
 
 RUNS_DIR = "ckptrun-runs"
 LIVE_STATES = ("starting", "running", "restarting")
-FAILURE_EVENTS = ("worker_failed", "hang_detected", "persist_failed")
+FAILURE_EVENTS = ("worker_failed", "hang_detected", "node_lost", "persist_failed")
 RECENT_FAILURES = 10
 _CHECKPOINT_KEYS = ("memory_step", "peer_step", "persisted_step", "persisted_url")
 

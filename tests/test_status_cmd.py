@@ -127,12 +127,14 @@ def test_no_run_is_a_usage_error(tmp_path, monkeypatch, args):
 def test_table(tmp_path):
     run = _make_run(tmp_path / "r", _status(),
                     [("worker_failed", {"rank": 1, "signal": "SIGKILL"}),
+                     ("node_lost", {"node": 1, "seconds_silent": 5.3, "step": 9}),
                      ("persist_failed", {"step": 30, "error": "disk full"})])
     result = CliRunner().invoke(status_command, ["--run-dir", run])
     assert result.exit_code == 0, result.output
     out = result.output
     for text in ("job1", "running", "workers", "checkpoint", "memory", "peer", "storage",
                  "/tmp/ck/step-30", "recent failures", "rank 1 was killed by SIGKILL",
+                 "machine 1 lost: no heartbeat for 5.30 s, its ranks at step 9",
                  "disk full", "1001", "42"):
         assert text in out, text
 
