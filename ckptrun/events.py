@@ -139,7 +139,9 @@ def to_stderr(text: str) -> None:
 
 
 def _secs(value: Any) -> str:
-    return f"{value:.2f} s" if isinstance(value, (int, float)) else "? s"
+    if not isinstance(value, (int, float)):
+        return "? s"
+    return f"{value * 1e3:.1f} ms" if value < 0.1 else f"{value:.2f} s"
 
 
 def read_events(run_dir: str) -> List[Dict[str, Any]]:

@@ -144,7 +144,7 @@ def test_failures_and_recoveries_are_echoed_one_line_each(tmp_path):
     assert lines == ["rank 1 was killed by SIGKILL (attempt 0)",
                      "rank 0 exited with code 1 (attempt 0)",
                      "restarting the workers: attempt 1, 1 restart(s) of the budget used",
-                     "restored step 25 from memory in 0.02 s",
+                     "restored step 25 from memory in 21.3 ms",
                      "persisting step 40 failed: disk full"]
     assert len(read_events(str(tmp_path))) == 9  # everything is in the log
 
