@@ -6,7 +6,7 @@ other, or into a model without DDP at all.  ``torch.compile``'s wrapper (``_orig
 unwrapped the same way.
 
 Replicated state (every data-parallel rank holds identical model and optimizer state) is
-stored once in the durable copy: :func:`ckptrun.storage.write_parts` compares the ranks it
+stored once in the durable copy: :func:`ckptrun.tiers.durable.storage.write_parts` compares the ranks it
 writes byte for byte and keeps one copy of each identical tensor (per-rank RNG and data
 state differ, so they stay per rank); both DCP keys point at the same bytes.  Memory slots
 stay per rank: a rank's restore must never depend on another rank's process.

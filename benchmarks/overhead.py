@@ -10,7 +10,7 @@ differs:
   (``--persist-every N``, DCP through fsspec to the run directory).
 
 * ``--snapshot-every auto`` -- ``save()`` every step, the launcher's adaptive interval
-  (``ckptrun.interval``): every step while that costs <= 3%, else every k-th step;
+  (``ckptrun.worker.interval``): every step while that costs <= 3%, else every k-th step;
 * ``save() on/off in alternate blocks`` -- one run whose steps alternate in blocks of
   ``ALTERNATE``: without ``save()``, then with it; the slowdown is the median over
   adjacent (off, on) pairs -- both blocks of a pair see the same machine load, which on a

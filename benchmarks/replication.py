@@ -1,4 +1,4 @@
-"""Replication: ``ckptrun.replicator.push`` of one slot vs a raw loopback TCP stream.
+"""Replication: ``ckptrun.tiers.peer.server.push`` of one slot vs a raw loopback TCP stream.
 
 A committed slot file (header, small JSON meta, ``--replication-size`` bytes of data) is
 pushed to a ``ReplicaServer`` on 127.0.0.1, the way an agent sends its node's snapshot to a
@@ -28,8 +28,8 @@ import torch
 from benchmarks import Context, Row, bandwidth_row, interleave, section, timed
 from benchmarks.limits import _tcp_once
 from ckptrun import protocol as P
-from ckptrun.replication import MapCache, PeerStore
-from ckptrun.replicator import ReplicaServer, push
+from ckptrun.tiers.peer.copies import MapCache, PeerStore
+from ckptrun.tiers.peer.server import ReplicaServer, push
 
 SECRET = os.urandom(32)
 GOAL = 0.70  # DESIGN §6: replication >= 70% of loopback TCP throughput

@@ -9,7 +9,7 @@ on localhost, one rank each (``benchmarks/machines.py``) -- with
 * ``--replicas 2``: each agent also copies its newest snapshot to the other machine in
   rounds, paced by the default ``--replication-budget 5%``: the agents measure how much a
   round slows their workers (heartbeat rate during rounds vs between them) and space the
-  rounds so that training loses at most 5% (``ckptrun/pacing.py``);
+  rounds so that training loses at most 5% (``ckptrun/tiers/peer/pacing.py``);
 * the same with ``--replication-budget 20%``, to show the knob;
 * ``--replication-budget off``: rounds back to back, as fast as the machine allows;
 * ``--replication-budget off --replication-rate 100``: back to back, with a bandwidth cap.

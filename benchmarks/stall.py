@@ -80,8 +80,8 @@ def bench_ckptrun(nbytes: int, reps: int, overlap: bool) -> Row:
     """
     method = "ckptrun save()" + ("" if overlap else " overlap=False")
     try:
-        from ckptrun.checkpointer import Checkpointer
         from ckptrun.protocol import DEFAULT_NUM_SLOTS
+        from ckptrun.worker.checkpointer import Checkpointer
     except ImportError:
         return {"method": method, "bytes": nbytes,
                 "note": "skipped: ckptrun.Checkpointer not in this checkout yet"}

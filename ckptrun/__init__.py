@@ -20,12 +20,12 @@ __all__ = ["Checkpointer", "heartbeat", "__version__"]
 
 # Imported eagerly (it needs only the stdlib) so that the name ``ckptrun.heartbeat`` is the
 # function even after something imports the submodule of the same name.
-from ckptrun.heartbeat import heartbeat  # noqa: E402
+from ckptrun.worker.heartbeat import heartbeat  # noqa: E402
 
 
 def __getattr__(name: str):
     if name == "Checkpointer":
-        from ckptrun.checkpointer import Checkpointer
+        from ckptrun.worker.checkpointer import Checkpointer
 
         return Checkpointer
     raise AttributeError(f"module 'ckptrun' has no attribute {name!r}")

@@ -1,12 +1,15 @@
-"""The agent's configuration: what ``args.py`` builds from the command line and ``agent.py`` runs.
+"""The agent's configuration: what the command line (``ckptrun.cli.args``) builds and the agent
+(``ckptrun.agent``) and its tiers (``ckptrun.tiers``) read.
 
-Kept apart from both so the parser and the supervisor can be written and tested separately.
+Plain data with no ckptrun imports, kept apart from all of them so the parser, the supervisor
+and the tiers can be written and tested separately; plus the parsing of a share ('3%') that
+several options use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 
 @dataclass
@@ -66,3 +69,17 @@ class AgentConfig:
     @property
     def nnodes_fixed(self) -> bool:
         return self.min_nodes == self.max_nodes
+
+
+def parse_share(value: Any, what: str, example: str) -> float:
+    """``0.03``, ``"0.03"`` or ``"3%"`` -> 0.03; ValueError naming ``what`` unless the
+    share is strictly between 0 and 1."""
+    text = str(value).strip()
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 < share < 1:
+        raise ValueError(f"ckptrun: {what} must be a fraction in (0, 1) or a percentage like "
+                         f"{example}, got {value!r}")
+    return share

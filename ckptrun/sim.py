@@ -15,7 +15,7 @@ Two policies are compared on the same cluster:
 * **ckptrun** -- a snapshot every iteration into local memory, replicated to ``m-1``
   peers (GEMINI placement).  A failure is served from CPU memory unless the failures that
   hit during the recovery window wipe out a whole placement group (probability from
-  :mod:`ckptrun.placement`); then every machine falls back to the last durable copy,
+  :mod:`ckptrun.tiers.peer.placement`); then every machine falls back to the last durable copy,
   written every ``persist_interval_s``.
 * **storage-only** -- checkpoints go straight to storage as often as its bandwidth allows
   (the paper's "HighFreq"), or every ``storage_interval_s`` (e.g. 3 h, "Strawman").
@@ -34,7 +34,12 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterable, List, Optional
 
-from ckptrun.placement import effective_replicas, placement, recoverable, recovery_probability
+from ckptrun.tiers.peer.placement import (
+    effective_replicas,
+    placement,
+    recoverable,
+    recovery_probability,
+)
 
 DAY_S = 86_400.0
 
@@ -130,7 +135,7 @@ def memory_recovery_odds(inp: ClusterInputs, window_s: float) -> float:
 
     The first failure is always covered (``m >= 2``); more failures arriving within
     ``window_s`` (until the replicas are re-established) are Poisson, and ``k`` failures
-    together are survivable with :func:`ckptrun.placement.recovery_probability`.
+    together are survivable with :func:`ckptrun.tiers.peer.placement.recovery_probability`.
     """
     n, m = inp.machines, effective_replicas(inp.machines, inp.replicas)
     if m < 2:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, run_events
 
-from ckptrun.status import load_status
+from ckptrun.cli.status import load_status
 
 SCRIPT = os.path.join(SCRIPTS, "e2e_train.py")
 # 8 s of training: the tests wait (at step 10) for a durable step and for every peer to hold

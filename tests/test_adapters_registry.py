@@ -14,8 +14,9 @@ import torch.nn as nn
 from adapter_util import run
 
 import ckptrun
-from ckptrun import adapters, storage
+from ckptrun import adapters
 from ckptrun import snapshot as S
+from ckptrun.tiers.durable import storage
 
 
 def test_registry_is_lazy_and_extensible():

@@ -46,7 +46,7 @@ def test_script_without_heartbeat_is_never_hung(tmp_path, ckptrun_run):
 
 
 def test_auto_timeout_learns_from_intervals():
-    from ckptrun.hang import HangDetector
+    from ckptrun.agent.hang import HangDetector
     from ckptrun.protocol import Phase
 
     d = HangDetector(None, first_window=120, floor=3, factor=10)

@@ -7,10 +7,10 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from ckptrun import beat_windows
 from ckptrun import protocol as P
-from ckptrun.beat_windows import BeatWindows
-from ckptrun.pacing import Pacer
+from ckptrun.tiers.peer import beat_windows
+from ckptrun.tiers.peer.beat_windows import BeatWindows
+from ckptrun.tiers.peer.pacing import Pacer
 
 
 class Block:

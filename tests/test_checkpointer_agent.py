@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import ckptrun
-from ckptrun import slotset
-from ckptrun.memory import NodeMemory
 from ckptrun.protocol import ControlBlock, Phase, control_path
+from ckptrun.tiers.memory.node import NodeMemory
+from ckptrun.worker import slotset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "scripts", "mem_worker.py")
@@ -237,7 +237,7 @@ def test_state_growth_under_agent_keeps_older_commits(node, monkeypatch):
 
 
 def test_failed_background_copy_does_not_stop_training(node, monkeypatch, capsys):
-    from ckptrun import slots as slots_mod
+    from ckptrun.snapshot import slots as slots_mod
 
     token, mem, block = node
     set_env(monkeypatch, agent_env(token, mem, 0))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckptrun
-from ckptrun import slots as slots_mod
 from ckptrun.protocol import SlotHeader, SlotState
+from ckptrun.snapshot import slots as slots_mod
 
 
 def make_job(seed: int = 0):
@@ -161,7 +161,7 @@ def test_unsupported_state_fails_clearly():
 
 
 def test_standalone_persists_and_a_new_process_resumes_from_storage(tmp_path):
-    storage = pytest.importorskip("ckptrun.storage")
+    from ckptrun.tiers.durable import storage
     url = str(tmp_path / "ckpts")
     random.seed(3)
     np.random.seed(3)

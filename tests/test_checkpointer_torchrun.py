@@ -20,7 +20,7 @@ def plain_env(rank: int, world: int, port: int) -> dict:
 
 @pytest.mark.slow
 def test_ddp_without_agent_resumes_from_storage(tmp_path):
-    storage = pytest.importorskip("ckptrun.storage")
+    from ckptrun.tiers.durable import storage
     url = str(tmp_path / "ckpts")
     base = ["--steps", "14", "--ddp", "--optim", "adam"]
     port = free_port()

@@ -1,4 +1,4 @@
-"""ckptrun.args.parse: torchrun parity, ckptrun options, env defaults and up-front validation."""
+"""ckptrun.cli.args.parse: torchrun parity, ckptrun options, env defaults and up-front validation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from ckptrun.args import UsageError, parse
+from ckptrun.cli.args import UsageError, parse
 
 
 @pytest.fixture(autouse=True)
@@ -264,7 +264,7 @@ def test_persist_to(tmp_path):
 def _durable_step(root, nbytes: int = 4096) -> None:
     import torch
 
-    from ckptrun import storage
+    from ckptrun.tiers.durable import storage
 
     meta = {"format": 1, "step": 3, "rank": 0, "world_size": 1, "tree": None,
             "tensors": [{"path": "w", "dtype": "uint8", "shape": [nbytes], "offset": 0,
@@ -290,16 +290,16 @@ def test_shm_too_small_for_the_known_state(tmp_path, monkeypatch):
     class Tiny:  # a Docker-sized /dev/shm: 2 MiB free
         f_bavail, f_frsize = 512, 4096
 
-    monkeypatch.setattr("ckptrun.preflight.os.statvfs",
+    monkeypatch.setattr("ckptrun.cli.preflight.os.statvfs",
                         lambda p: Tiny() if p == "/dev/shm" else real(p))
     msg = _error(["--nproc-per-node", "2", "--resume-from", "ck", "train.py"])
     assert "/dev/shm has 2 MiB free" in msg and "shm-size" in msg
-    monkeypatch.setattr("ckptrun.preflight.os.statvfs", real)
+    monkeypatch.setattr("ckptrun.cli.preflight.os.statvfs", real)
     parse(["--nproc-per-node", "2", "--resume-from", "ck", "train.py"])
 
 
 def test_shm_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr("ckptrun.preflight.SHM_DIR", str(tmp_path / "noshm"))
+    monkeypatch.setattr("ckptrun.cli.preflight.SHM_DIR", str(tmp_path / "noshm"))
     assert "noshm" in _error(["train.py"])
 
 

@@ -70,7 +70,7 @@ def etcd_endpoint(tmp_path_factory):
 def test_cas_store_has_c10d_compare_set_semantics(etcd_endpoint):
     import etcd
 
-    from ckptrun.etcd_store import CasEtcdStore
+    from ckptrun.store.etcd import CasEtcdStore
 
     host, port = etcd_endpoint.split(":")
     s = CasEtcdStore(etcd.Client(host, int(port)), f"/test/{uuid.uuid4().hex}")

@@ -1,4 +1,4 @@
-"""Unit tests for ckptrun.events: the event log, its reader and atomic JSON writes."""
+"""Unit tests for ckptrun.agent.events: the event log, its reader and atomic JSON writes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ckptrun.events import (
+from ckptrun.agent.events import (
     EVENTS_FILE,
     EventLog,
     describe,

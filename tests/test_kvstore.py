@@ -7,7 +7,7 @@ import threading
 import pytest
 from torch.distributed import TCPStore
 
-from ckptrun.kvstore import wait_keys
+from ckptrun.store.kvstore import wait_keys
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from machines import (
     wait_until,
 )
 
-from ckptrun import placement
+from ckptrun.tiers.peer import placement
 
 pytestmark = pytest.mark.slow
 

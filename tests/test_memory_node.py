@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ckptrun import snapshot as S
-from ckptrun.memory import NodeMemory, SlotChanged
 from ckptrun.protocol import (
     ControlBlock,
     SlotHeader,
@@ -19,6 +18,7 @@ from ckptrun.protocol import (
     open_shm_file,
     set_slot_state,
 )
+from ckptrun.tiers.memory.node import NodeMemory, SlotChanged
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ def test_read_common_for_the_persister(mem):
 
 
 def test_meta_checksum_matches_the_slot(mem):
-    from ckptrun.slots import meta_checksum
+    from ckptrun.snapshot.slots import meta_checksum
 
     mem.write(0, *snap(7), step=7)
     meta, tensors = mem.read(0, 7)
@@ -196,7 +196,7 @@ def test_hold_pins_the_slot_and_readers_take_turns(mem):
     ``pin`` field at the same time (one would unpin the other's slot)."""
     import threading
 
-    from ckptrun.slotset import SlotSet
+    from ckptrun.worker.slotset import SlotSet
 
     block = ControlBlock(control_path(mem.job_token), nranks=1, create=True)
     mem.attach_control(block, [0])

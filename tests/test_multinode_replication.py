@@ -122,7 +122,7 @@ def test_durable_steps_are_written_by_every_machine(tmp_path, reference):
     args = ("--persist-to", persist, "--persist-every", "5")
     results, dirs = two_machines(tmp_path, out, "--step-time", "0.1", agent_args=args)
     assert [rc for rc, _ in results] == [0, 0], [err[-2000:] for _, err in results]
-    from ckptrun import storage
+    from ckptrun.tiers.durable import storage
 
     steps = [s["step"] for s in storage.list_steps(persist)]
     assert STEPS in steps and len(steps) >= 2, steps

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ckptrun.pacing import DEFAULT_BUDGET, Pacer, parse_budget
+from ckptrun.tiers.peer.pacing import DEFAULT_BUDGET, Pacer, parse_budget
 
 
 def test_parse_budget():

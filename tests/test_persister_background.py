@@ -1,4 +1,4 @@
-"""ckptrun.persister: background persistence, failures, recovery, kill mid-write, keep."""
+"""ckptrun.tiers.durable.persister: background persistence, failures, recovery, kill mid-write, keep."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 from s3util import s3_bucket, s3_endpoint  # noqa: F401  (pytest fixtures)
 from test_storage_format import assert_same, snapshots
 
-from ckptrun import storage
-from ckptrun.persister import Persister
+from ckptrun.tiers.durable import storage
+from ckptrun.tiers.durable.persister import Persister
 
 
 class SlowLocalFS(LocalFileSystem):
@@ -214,7 +214,7 @@ def test_kill_during_persist_leaves_no_visible_step(tmp_path):
         sys.path.insert(0, {here!r})
         import test_persister_background as t  # registers slowlocal://
         from test_storage_format import snapshots
-        from ckptrun import storage
+        from ckptrun.tiers.durable import storage
         storage.write_step("slowlocal://{root}", 2, snapshots(2, 2, scale=64), world_size=2)
         print("finished")
     """)

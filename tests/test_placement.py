@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from ckptrun.placement import (
+from ckptrun.tiers.peer.placement import (
     corollary_bound,
     effective_replicas,
     groups,

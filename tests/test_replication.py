@@ -15,8 +15,9 @@ import uuid
 import pytest
 
 from ckptrun import protocol as P
-from ckptrun.replication import AuthError, MapCache, PeerStore
-from ckptrun.replicator import ReplicaServer, fetch, holdings, push
+from ckptrun.tiers.peer.copies import MapCache, PeerStore
+from ckptrun.tiers.peer.server import ReplicaServer, fetch, holdings, push
+from ckptrun.tiers.peer.wire import AuthError
 
 SECRET = b"s" * 32
 
@@ -141,7 +142,7 @@ def test_sender_killed_mid_transfer_leaves_no_usable_copy(token, server):
     src = f"/dev/shm/ckptrun-{token}-r3-s0"
     make_slot(src, 5, b"k" * (16 << 20))
     code = (
-        "import sys; from ckptrun.replicator import push; "
+        "import sys; from ckptrun.tiers.peer.server import push; "
         f"push(('127.0.0.1', {server.address[1]}), {SECRET!r}, 'a', 3, {src!r}, rate_bps=4e6)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
@@ -234,20 +235,19 @@ def test_rewritten_source_with_cached_mappings_sends_the_new_bytes(token, server
 
 
 def _fake_agent(node: int, store, events: list, rate_bps=None):
-    """What ``ReplicaTier`` uses of an agent: 2 machines x 1 rank, a shared store."""
-    from types import SimpleNamespace
-
-    from ckptrun.memory import NodeMemory
+    """What ``ReplicaTier`` gets from an agent: 2 machines x 1 rank, a shared store."""
+    from ckptrun.config import AgentConfig
+    from ckptrun.tiers.interface import TierContext
+    from ckptrun.tiers.memory.node import NodeMemory
 
     token = "tier" + uuid.uuid4().hex[:8]
-    return SimpleNamespace(
-        token=token, memory=NodeMemory(token, num_slots=3),
-        info=SimpleNamespace(group_rank=node, group_world_size=2, store=store,
-                             master_addr="127.0.0.1"),
-        cfg=SimpleNamespace(replicas=2, nproc_per_node=1, local_addr="127.0.0.1",
-                            rdzv_endpoint=f"127.0.0.1:{store.port}", replication_rate=rate_bps,
-                            replication_budget=None),
-        events=SimpleNamespace(emit=lambda event, **f: events.append(dict(f, event=event))))
+    cfg = AgentConfig(script="train.py", replicas=2, nproc_per_node=1, local_addr="127.0.0.1",
+                      rdzv_endpoint=f"127.0.0.1:{store.port}", replication_rate=rate_bps,
+                      replication_budget=None)
+    return TierContext(
+        cfg=cfg, node=node, nnodes=2, store=store, memory=NodeMemory(token, num_slots=3),
+        control=P.ControlBlock(P.control_path(token), 1, create=True), token=token,
+        emit=lambda event, **f: events.append(dict(f, event=event)), address="127.0.0.1")
 
 
 def _write_lockstep(agents, steps, pause_s: float = 0.01) -> None:
@@ -278,6 +278,7 @@ def _write_lockstep(agents, steps, pause_s: float = 0.01) -> None:
 def _close_tiers(tiers, agents) -> None:
     for tier, agent in zip(tiers, agents):
         tier.close()
+        agent.control.close()
         agent.memory.cleanup()
         for f in glob.glob(f"/dev/shm/ckptrun-{agent.token}*"):
             os.unlink(f)
@@ -295,7 +296,7 @@ def test_a_node_behind_gets_its_round_after_the_others_are_done():
     have nothing new (before, it waited forever for them once training stopped)."""
     from torch.distributed import TCPStore
 
-    from ckptrun.replica_tier import ReplicaTier
+    from ckptrun.tiers.peer.tier import ReplicaTier
 
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), [])
@@ -322,7 +323,7 @@ def test_rounds_always_take_the_newest_step_never_a_queue():
     queued -- and once training stops, the last step is what both machines hold."""
     from torch.distributed import TCPStore
 
-    from ckptrun.replica_tier import ReplicaTier
+    from ckptrun.tiers.peer.tier import ReplicaTier
 
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     events: list = []
@@ -355,7 +356,7 @@ def test_a_round_whose_step_is_gone_does_not_stop_later_rounds():
     with the rank still marked busy, and every later round of that agent failed."""
     from torch.distributed import TCPStore
 
-    from ckptrun.replica_tier import ReplicaTier
+    from ckptrun.tiers.peer.tier import ReplicaTier
 
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), [])

@@ -14,10 +14,10 @@ import torch
 from click.testing import CliRunner
 from test_storage_format import snapshots
 
-from ckptrun import storage
+from ckptrun.cli.restore import restore_command
 from ckptrun.protocol import create_shm_file
-from ckptrun.restore_cmd import restore_command
 from ckptrun.snapshot import capture_rng, flatten, make_meta, write_slot
+from ckptrun.tiers.durable import storage
 
 
 def real_snapshot(rank: int, step: int, world: int):

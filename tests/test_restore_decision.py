@@ -1,12 +1,14 @@
-"""The restore decision across machines: every node restores the same step, and a tier
-(peer memory, storage) is not given up while an older step all nodes can produce exists."""
+"""The restore decision across machines (``ckptrun.tiers.restore_decision``): every node
+restores the same step, nearest tier first, and a tier is not given up while an older step
+all nodes can produce exists."""
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
-from ckptrun.membership import decide_restore
+from ckptrun.tiers.interface import Tier
+from ckptrun.tiers.restore_decision import decide_restore
 
 
 class Coord:
@@ -29,19 +31,25 @@ class Coord:
         return None if any(v is None for v in vals) else min(vals)
 
 
-class Tier:
-    """A tier that can materialise exactly ``steps`` (as peer copies do)."""
+class FakeTier(Tier):
+    """Offers ``steps``; materialising one of ``broken`` fails (a copy fails its checksum)."""
 
-    def __init__(self, steps: List[int], tier: str = "peer") -> None:
-        self.steps, self.tier = sorted(steps), tier
+    def __init__(self, steps: Iterable[int], name: str = "peer", served: Optional[str] = None,
+                 broken: Iterable[int] = ()) -> None:
+        self.steps, self.name, self.served = sorted(steps), name, served or name
+        self.broken = set(broken)
         self.materialised: List[int] = []
+        self.settled: List[int] = []
 
-    def restore_step(self, ranks, attempt, max_step):
-        ok = [s for s in self.steps if max_step is None or s <= max_step]
-        if not ok:
-            return None
-        self.materialised.append(ok[-1])
-        return ok[-1], self.tier
+    def offers(self, ranks, attempt, max_step):
+        return [s for s in self.steps if max_step is None or s <= max_step]
+
+    def materialise(self, ranks, attempt, step):
+        self.materialised.append(step)
+        return None if step in self.broken else self.served
+
+    def settle(self, ranks, step):
+        self.settled.append(step)
 
 
 def decide_on_two_nodes(tiers_per_node: List[list], forced: Optional[int] = None) -> list:
@@ -50,8 +58,8 @@ def decide_on_two_nodes(tiers_per_node: List[list], forced: Optional[int] = None
     out: list = [None, None]
 
     def node(rank: int) -> None:
-        out[rank] = decide_restore(None, [rank], Coord(shared, barrier, rank), 3, forced,
-                                   tiers_per_node[rank])
+        out[rank] = decide_restore(tiers_per_node[rank], [rank], Coord(shared, barrier, rank),
+                                   3, forced)
 
     threads = [threading.Thread(target=node, args=(r,)) for r in range(2)]
     for t in threads:
@@ -61,28 +69,55 @@ def decide_on_two_nodes(tiers_per_node: List[list], forced: Optional[int] = None
     return out
 
 
-def test_a_step_one_node_cannot_produce_is_retried_older_not_given_up():
-    """The survivor can produce steps 12, 11, 10 (its slots) and 7, 5 (its own copies of two
-    rounds); the replacement only what the survivor holds of the lost machine: 9 and 7 (the
-    lost machine's push of round 9 arrived, the survivor's own copy of round 9 did not).
-    Step 9 fails on the survivor; both must then agree on 7 -- from peer memory, not fall
-    through to storage (which holds step 4 here)."""
-    storage = [Tier([4], "storage"), Tier([4], "storage")]
-    survivor, newcomer = Tier([5, 7, 10, 11, 12]), Tier([7, 9])
+def test_the_newest_step_every_node_offers_wins_and_nearer_tiers_come_first():
+    """The survivor's memory holds 12, 11, 10, the replacement's nothing: memory passes.
+    In peer memory the survivor can produce 12, 11, 10, 7, 5, the replacement (from what the
+    survivor holds of the lost machine) 9 and 7: both take 7, and storage (step 4) is never
+    read."""
+    storage = [FakeTier([4], "storage"), FakeTier([4], "storage")]
+    memory = [FakeTier([10, 11, 12], "memory"), FakeTier([], "memory")]
+    survivor, newcomer = FakeTier([5, 7, 10, 11, 12]), FakeTier([7, 9])
+    got = decide_on_two_nodes([[memory[0], survivor, storage[0]],
+                               [memory[1], newcomer, storage[1]]])
+    assert got == [{"step": 7, "tier": "peer"}, {"step": 7, "tier": "peer"}]
+    assert survivor.materialised == [7] and newcomer.materialised == [7]
+    assert memory[0].materialised == [] and storage[0].materialised == []
+    assert memory[0].settled == [7] and storage[1].settled == [7]  # every tier hears of it
+
+
+def test_a_step_one_node_cannot_materialise_is_retried_older_not_given_up():
+    """Both offer 9 and 7; the replacement's copy of 9 fails its checksum: both agree on 7
+    in the same tier instead of falling through to storage."""
+    storage = [FakeTier([4], "storage"), FakeTier([4], "storage")]
+    survivor, newcomer = FakeTier([7, 9]), FakeTier([7, 9], broken=[9])
     got = decide_on_two_nodes([[survivor, storage[0]], [newcomer, storage[1]]])
     assert got == [{"step": 7, "tier": "peer"}, {"step": 7, "tier": "peer"}]
-    assert survivor.materialised[-1] == 7 and newcomer.materialised[-1] == 7
-    assert storage[0].materialised == [] and storage[1].materialised == []
+    assert survivor.materialised == [9, 7] and newcomer.materialised == [9, 7]
+    assert storage[0].materialised == []
 
 
 def test_no_common_step_falls_through_to_the_next_tier():
-    storage = [Tier([4], "storage"), Tier([4], "storage")]
-    got = decide_on_two_nodes([[Tier([10, 11]), storage[0]], [Tier([6, 8]), storage[1]]])
+    storage = [FakeTier([4], "storage"), FakeTier([4], "storage")]
+    got = decide_on_two_nodes([[FakeTier([10, 11]), storage[0]], [FakeTier([6, 8]), storage[1]]])
     assert got == [{"step": 4, "tier": "storage"}, {"step": 4, "tier": "storage"}]
 
 
+def test_a_memory_step_is_marked_verified_and_served_tier_is_reported():
+    """The memory tier hashed its copies with every worker stopped ("verified"); a peer
+    tier whose copies were all on this machine reports "memory" as well."""
+    got = decide_on_two_nodes([[FakeTier([5], "memory")], [FakeTier([5], "memory")]])
+    assert got == [{"step": 5, "tier": "memory", "verified": True}] * 2
+    got = decide_on_two_nodes([[FakeTier([5], "peer", served="memory")],
+                               [FakeTier([5], "peer", served="peer")]])
+    assert got == [{"step": 5, "tier": "memory", "verified": True}, {"step": 5, "tier": "peer"}]
+
+
 def test_a_rollback_takes_exactly_its_step_or_nothing():
-    got = decide_on_two_nodes([[Tier([5, 7, 9])], [Tier([7, 9])]], forced=9)
+    got = decide_on_two_nodes([[FakeTier([5, 7, 9])], [FakeTier([7, 9])]], forced=9)
     assert got == [{"step": 9, "tier": "peer"}, {"step": 9, "tier": "peer"}]
-    got = decide_on_two_nodes([[Tier([5, 7, 10])], [Tier([7, 9])]], forced=9)
+    got = decide_on_two_nodes([[FakeTier([5, 7, 10])], [FakeTier([7, 9])]], forced=9)
     assert got == [{"step": 0}, {"step": 0}]
+
+
+def test_nothing_anywhere_is_a_fresh_start():
+    assert decide_on_two_nodes([[FakeTier([])], [FakeTier([3])]]) == [{"step": 0}] * 2

@@ -14,7 +14,7 @@ import torch
 import ckptrun
 from ckptrun import snapshot as S
 from ckptrun.protocol import SLOT_HEADER_SIZE
-from ckptrun.slots import CHUNK, SlotWrite, layout, meta_bytes, read_slot, slot_checksum
+from ckptrun.snapshot.slots import CHUNK, SlotWrite, layout, meta_bytes, read_slot, slot_checksum
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

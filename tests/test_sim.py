@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from ckptrun.placement import recovery_probability
 from ckptrun.sim import (
     DAY_S,
     ClusterInputs,
@@ -18,6 +17,7 @@ from ckptrun.sim import (
     projection,
     wasted_per_failure,
 )
+from ckptrun.tiers.peer.placement import recovery_probability
 
 
 def small_cluster(**kw) -> ClusterInputs:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import ckptrun
-from ckptrun import interval as I
-from ckptrun.args import UsageError, parse
+from ckptrun import protocol as P
+from ckptrun.cli.args import UsageError, parse
+from ckptrun.worker import interval as I
 
 STEP = 0.010
 
@@ -43,7 +44,7 @@ def clock(monkeypatch):
 
 
 def test_default_is_every_step(clock, monkeypatch):
-    monkeypatch.delenv(I.ENV_EVERY, raising=False)
+    monkeypatch.delenv(P.ENV_EVERY, raising=False)
     iv = I.SnapshotInterval()
     assert iv.mode == "1" and drive(iv, clock, range(1, 300), cost=STEP) == list(range(1, 300))
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from ckptrun.events import EventLog, write_json_atomic
-from ckptrun.status import find_run_dir, load_status, status_command
+from ckptrun.agent.events import EventLog, write_json_atomic
+from ckptrun.cli.status import find_run_dir, load_status, status_command
 
 DESIGN_KEYS = {"run_id", "state", "restarts", "workers", "checkpoint"}
 WORKER_KEYS = {"rank", "local_rank", "node", "pid", "state", "step", "heartbeat_age_s"}

@@ -10,12 +10,11 @@ import time
 
 import pytest
 
-pytest.importorskip("ckptrun.agent")
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import os, sys, time
-from ckptrun.heartbeat import heartbeat
+from ckptrun.worker.heartbeat import heartbeat
 stop = sys.argv[1]
 step = 0
 while not os.path.exists(stop):

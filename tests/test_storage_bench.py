@@ -19,7 +19,7 @@ import pytest
 import torch
 from s3util import s3_bucket, s3_endpoint  # noqa: F401  (pytest fixtures)
 
-from ckptrun import storage
+from ckptrun.tiers.durable import storage
 
 THREADS = int(os.environ.get("CKPTRUN_BENCH_THREADS", "1"))  # storage.write_step(threads=)
 pytestmark = pytest.mark.skipif(os.environ.get("CKPTRUN_BENCH") != "1",

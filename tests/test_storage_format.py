@@ -1,4 +1,4 @@
-"""ckptrun.storage: the durable DCP format, its JSON index and reading back without pickle."""
+"""ckptrun.tiers.durable.storage: the durable DCP format, its JSON index and reading back without pickle."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from s3util import s3_bucket, s3_endpoint  # noqa: F401  (pytest fixtures)
 
-from ckptrun import storage
-from ckptrun.storage import StorageError
+from ckptrun.tiers.durable import storage
+from ckptrun.tiers.durable.storage import StorageError
 
 
 def make_snapshot(rank: int, step: int, world_size: int, scale: int = 1):
@@ -220,7 +220,7 @@ def test_s3_roundtrip_read_by_plain_dcp(s3_bucket):  # noqa: F811
 def test_leader_refuses_a_step_whose_parts_it_cannot_see(tmp_path):
     """Several machines with unshared --persist-to paths (e.g. each its own run dir on a local
     disk): the leader must not finalize a step that no machine could read back."""
-    from ckptrun.persist_rounds import _check_visible
+    from ckptrun.tiers.durable.rounds import _check_visible
 
     shared, elsewhere = str(tmp_path / "shared"), str(tmp_path / "node1-local")
     snaps = snapshots(5, world_size=4)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ckptrun.agent import run_agent
+from ckptrun.agent.supervisor import run_agent
 from ckptrun.config import AgentConfig
 
 

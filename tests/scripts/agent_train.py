@@ -88,8 +88,8 @@ def main() -> None:
         if step == 1:
             mark(args.marks, "beat1")
         if args.slow_save and rank != args.fail_rank:  # a snapshot copy, to the agent
-            from ckptrun.heartbeat import worker_link
             from ckptrun.protocol import Phase
+            from ckptrun.worker.heartbeat import worker_link
 
             block, lr = worker_link()
             block.set(lr, "save_copy_s", args.slow_save)
@@ -116,7 +116,7 @@ def main() -> None:
             mark(args.marks, "kill")
             os.kill(os.getpid(), signal.SIGSTOP)
         if step == args.fatal_at:
-            from ckptrun.heartbeat import worker_link
+            from ckptrun.worker.heartbeat import worker_link
 
             block, lr = worker_link()
             block.set(lr, "fatal", 1)

@@ -70,7 +70,7 @@ def main() -> None:
             json.dump(same, f)
     dist.barrier()
     # the DDP modules hold the gloo group in reference cycles; freed during interpreter
-    # shutdown it can abort the process (see ckptrun/clean_exit.py): this probe has no
+    # shutdown it can abort the process (see ckptrun/worker/clean_exit.py): this probe has no
     # Checkpointer to register that collection, and nothing left to do
     os._exit(0)
 

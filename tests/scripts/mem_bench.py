@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    from ckptrun.memory import NodeMemory
     from ckptrun.protocol import ControlBlock, control_path
+    from ckptrun.tiers.memory.node import NodeMemory
 
     token = f"bench{uuid.uuid4().hex[:8]}"
     mem = NodeMemory(token)

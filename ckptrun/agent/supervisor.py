@@ -1,0 +1,386 @@
+"""The agent: rendezvous, start the local workers, watch exits and heartbeats, restart.
+
+``run_agent(cfg)`` is the whole life of one ``ckptrun`` process (one per machine)::
+
+    rendezvous (torch handler)  ->  epoch = "<attempt>:<restarts>:<state>" in the store
+    loop:   decide the restore step (tiers.restore_decision)  ->  start workers (attempt k)
+            supervise: exit codes, heartbeats/hangs, fatal flag, the job-wide epoch
+            failure anywhere  ->  epoch k+1 (counted once)  ->  every node restarts
+            all nodes done    ->  exit 0;   budget spent -> 1;   fatal -> 2
+
+Exit codes: 0 success, 1 job failed (restart budget spent), 2 configuration error,
+128+N when stopped by signal N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from ckptrun import protocol as P
+from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
+from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
+from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
+from ckptrun.agent.reaper import Reaper, unlink_shm
+from ckptrun.agent.rendezvous import (
+    FAILED,
+    FATAL,
+    RUN,
+    Epoch,
+    Rendezvous,
+    agent_base_env,
+    torchrun_env,
+)
+from ckptrun.agent.workers import Worker, WorkerLauncher, stop_workers, wait_for_exit
+from ckptrun.config import AgentConfig
+from ckptrun.tiers.interface import Tier
+from ckptrun.tiers.memory.node import NodeMemory
+from ckptrun.tiers.restore_decision import decide_restore
+
+
+class AgentSignal(Exception):
+    """Raised in the main thread by the agent's signal handler."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _config_error(cfg: AgentConfig) -> Optional[str]:
+    """Last-line checks (args.py validates the command line with friendlier messages)."""
+    for bad, msg in ((cfg.nproc_per_node < 1, "--nproc-per-node must be >= 1"),
+                     (cfg.min_nodes < 1 or cfg.max_nodes < cfg.min_nodes, "invalid --nnodes"),
+                     (cfg.max_restarts < 0, "--max-restarts must be >= 0"),
+                     (cfg.module and cfg.no_python, "--no-python and --module exclude each other"),
+                     (not cfg.run_dir, "run_dir is not set")):
+        if bad:
+            return msg
+    return None
+
+
+class Agent:
+    """One node's supervisor; see the module docstring."""
+
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.run_dir = ensure_run_dir(cfg.run_dir)
+        self.events = EventLog(self.run_dir, echo=to_stderr)
+        self.token = secrets.token_hex(6)  # distinct per agent: two agents on one host
+        self.hang = HangDetector(cfg.hang_timeout)
+        self.workers: List[Worker] = []
+        self.tiers: List[Tier] = []  # nearest first; built for each membership (join_round)
+        self.failures: List[dict] = []
+        self.state = "starting"
+        self.epoch = Epoch(0, 0)
+        self.restore: Dict[str, object] = {"step": 0}
+        self._last_status = 0.0
+        self._intervals: Dict[int, int] = {}  # rank -> snapshot interval last logged
+
+    def run(self) -> int:
+        code = 1
+        self.reaper = Reaper(self.token)
+        self.control = P.ControlBlock(P.control_path(self.token), self.cfg.nproc_per_node,
+                                      create=True)
+        self.memory = NodeMemory(self.token, self.cfg.num_slots)
+        self.launcher = WorkerLauncher(self.cfg, agent_base_env(self.cfg),
+                                       on_spawn=self.reaper.watch)
+        old = {s: signal.signal(s, self._on_signal) for s in _signals(self.cfg)}
+        try:
+            code = self._run()
+        except AgentSignal as e:
+            print(f"ckptrun: received {e}, stopping workers", file=sys.stderr)
+            code = 128 + e.signum
+        finally:
+            for s in old:
+                signal.signal(s, signal.SIG_IGN)  # a 2nd Ctrl-C must not cut the cleanup
+            self._shutdown(code)
+            for s, h in old.items():
+                signal.signal(s, h)
+        return code
+
+    def _on_signal(self, signum, frame) -> None:  # raised wherever the main thread is
+        raise AgentSignal(signum)
+
+    def _run(self) -> int:
+        cfg = self.cfg
+        self.rdzv = Rendezvous(cfg)
+        if not join_round(self):
+            return 1
+        self.events.emit("start", nnodes=self.info.group_world_size,
+                         nproc_per_node=cfg.nproc_per_node, node=self.info.group_rank,
+                         run_id=self.info.run_id, job_token=self.token)
+        while True:
+            if self.epoch.state in (FAILED, FATAL):
+                return 1 if self.epoch.state == FAILED else 2
+            self._started = False
+            try:
+                self._start_group()
+                outcome = self._supervise()
+            except NodeLost as lost:
+                outcome = lost
+            self._stop_group(isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN)
+            if isinstance(outcome, NodeLost):
+                if not replace_nodes(self, outcome):
+                    return 1
+                continue
+            if outcome == "done":
+                self.coord.exit_barrier(self.epoch.attempt)
+                return 0
+            self.epoch = outcome
+            if self.epoch.state == RUN:
+                self.state = "restarting"
+                self.events.emit("restart", attempt=self.epoch.attempt,
+                                 restarts=self.epoch.restarts)
+
+    def _ranks(self) -> List[int]:
+        base = self.info.group_rank * self.cfg.nproc_per_node
+        return [base + lr for lr in range(self.cfg.nproc_per_node)]
+
+    def _slot_prefix(self, rank: int) -> str:
+        return self.memory.slot_prefix(rank)
+
+    def _start_group(self) -> None:
+        cfg, info, attempt = self.cfg, self.info, self.epoch.attempt
+        self.restore = decide_restore(self.tiers, self._ranks(), self.coord, attempt,
+                                      self.coord.rollback_step(attempt))
+        self.restored_emitted = False
+        master_addr, port = self.coord.master_port(attempt, info, self._own_addr)
+        logs = os.path.join(self._log_root(), f"attempt_{attempt}")
+        os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
+        self.hang.reset()
+        self.workers = []
+        for lr, rank in enumerate(self._ranks()):
+            self.control.reset(lr)
+            rank_logs = os.path.join(logs, str(lr))
+            env = dict(self.launcher.base_env)
+            env.update(torchrun_env(
+                cfg, local_rank=lr, group_rank=info.group_rank,
+                group_world_size=info.group_world_size, master_addr=master_addr,
+                master_port=port, attempt=attempt, run_id=info.run_id,
+                use_agent_store=info.use_agent_store,
+                error_file=os.path.join(rank_logs, "error.json")))
+            env.update({
+                P.ENV_CONTROL: self.control.path, P.ENV_SLOT_PREFIX: self._slot_prefix(rank),
+                P.ENV_NUM_SLOTS: str(cfg.num_slots), P.ENV_RESTORE: json.dumps(self.restore),
+                P.ENV_RUN_DIR: self.run_dir,
+                P.ENV_STACKS_FILE: stacks_path(self.run_dir, attempt, rank),
+            })
+            if cfg.persist_to:
+                env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
+            if cfg.snapshot_every != "1":
+                env[P.ENV_EVERY] = cfg.snapshot_every
+            self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
+        self.launcher.schedule_spares({lr: self._slot_prefix(rank)
+                                       for lr, rank in enumerate(self._ranks())})
+        self._started = True
+        for tier in self.tiers:
+            tier.attempt_started(attempt)
+        self.state = "running"
+        self._write_status(force=True)
+
+    def _log_root(self) -> str:
+        """torchrun's ``<log-dir>/<run-id>_<random>/`` with --log-dir, else ``<run-dir>/logs``."""
+        if not hasattr(self, "_logs"):
+            os.makedirs(self.cfg.log_dir or self.run_dir, mode=0o700, exist_ok=True)
+            self._logs = (tempfile.mkdtemp(prefix=f"{self.info.run_id}_", dir=self.cfg.log_dir)
+                          if self.cfg.log_dir else os.path.join(self.run_dir, "logs"))
+        return self._logs
+
+    def _stop_group(self, restart: bool) -> None:
+        """A restart SIGKILLs once no snapshot copy is under way (snapshots are in agent memory;
+        survivors sit in a collective where no handler runs); a final stop SIGTERMs first."""
+        if restart:
+            self._await_copies()
+            self.launcher.retire(self.workers)
+        else:
+            stop_workers(self.workers, self.cfg.shutdown_timeout)
+        for w in self.workers:
+            self.reaper.forget(w.pid)
+            # every bootstrap opens its stacks file; keep only real dumps
+            path = stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)
+            with contextlib.suppress(OSError):
+                if os.path.getsize(path) == 0:
+                    os.unlink(path)
+
+    def _await_copies(self) -> None:
+        """Live workers in the middle of a snapshot (phase SAVING) may finish it first (up to
+        2x their last copy time, within ``--shutdown-timeout``): no step lost to the kill."""
+        busy = {w.local_rank: (w, rec) for w in self.workers if w.status() is None
+                for rec in [self.control.record(w.local_rank)] if rec["phase"] == P.Phase.SAVING}
+        limit = 0.1 + 2 * max([rec["save_copy_s"] for _, rec in busy.values()], default=0.0)
+        deadline = time.monotonic() + min(self.cfg.shutdown_timeout, limit)
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.005)
+            for lr, (w, before) in list(busy.items()):
+                rec = self.control.record(lr)  # done: phase left SAVING, or a newer save began
+                if (rec["phase"] != P.Phase.SAVING or rec["beats"] != before["beats"]
+                        or w.status() is not None):
+                    del busy[lr]
+
+    def _fail(self, w: Worker, **fields) -> None:
+        rec = {"time": time.time(), "rank": w.global_rank, "local_rank": w.local_rank,
+               "attempt": self.epoch.attempt, **fields}
+        self.failures = (self.failures + [rec])[-20:]
+
+    def _supervise(self):
+        """Watch the group until it is done ("done") or the epoch moves (new Epoch)."""
+        attempt, marked_done = self.epoch.attempt, False
+        while True:
+            wait_for_exit(self.workers, self.cfg.monitor_interval)
+            self.launcher.tick()
+            for tier in self.tiers:
+                tier.tick()  # the memory tier keeps the slots mapped for a fast verify
+            codes = [w.status() for w in self.workers]
+            failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
+            if failed:
+                for w, c in failed:
+                    how = ({"signal": signal.Signals(-c).name} if c < 0 else {"exit_code": c})
+                    self.events.emit("worker_failed", rank=w.global_rank, attempt=attempt,
+                                     **how)
+                    self._fail(w, event="worker_failed", **how)
+                return self.coord.report_failure(attempt)
+            verdict = self._check_control(codes)
+            if verdict is not None:
+                return verdict
+            if all(c == 0 for c in codes) and not marked_done:
+                self.coord.mark_done(attempt)
+                marked_done = True
+            if marked_done and self.coord.all_done(attempt):
+                return "done"
+            if self.live is not None:
+                self.live.check()  # raises NodeLost
+            epoch = self.coord.poll()
+            if epoch != self.epoch:
+                return epoch  # another node failed: restart here too
+            rollback = read_json(os.path.join(self.run_dir, "rollback.json"))
+            if rollback is not None:  # ``ckptrun restore --rollback N``: not a failure
+                os.unlink(os.path.join(self.run_dir, "rollback.json"))
+                self.coord.set_rollback(attempt + 1, int(rollback["step"]))
+                return self.coord.request_restart(attempt)
+            self._write_status()
+
+    def _check_control(self, codes) -> Optional[Epoch]:
+        now, restored, hung = time.monotonic(), [], []
+        for w, code in zip(self.workers, codes):
+            rec = self.control.record(w.local_rank)
+            if rec["fatal"]:
+                self.events.emit("worker_failed", rank=w.global_rank, exit_code=2,
+                                 fatal=rec["fatal"])
+                self._fail(w, event="fatal", fatal=rec["fatal"])
+                return self.coord.report_fatal(self.epoch.attempt)
+            restored.append(rec)
+            self._note_interval(w, rec)
+            if code is not None:
+                continue
+            self.hang.observe(w.local_rank, rec["beats"], rec["heartbeat"])
+            silent = self.hang.check(w.local_rank, rec["phase"], now)
+            if silent is not None:
+                hung.append((w, round(silent, 3)))
+        if hung:  # ranks waiting on a hung peer are silent too: report all, dump all
+            for w, silent in hung:
+                self.events.emit("hang_detected", rank=w.global_rank, seconds_silent=silent,
+                                 attempt=self.epoch.attempt)
+                self._fail(w, event="hang_detected", seconds_silent=silent)
+            self._dump_stacks()
+            return self.coord.report_failure(self.epoch.attempt)
+        if not self.restored_emitted and all(r["restored_step"] >= 0 for r in restored):
+            self.restored_emitted = True
+            step = min(r["restored_step"] for r in restored)
+            if step > 0:  # restore() returning 0 means "nothing to restore"
+                self.events.emit("restored", step=step, tier=self.restore.get("tier", "memory"),
+                                 seconds=round(max(r["restore_s"] for r in restored), 4))
+        return None
+
+    def _note_interval(self, w, rec: dict) -> None:
+        """A worker snapshotting every N steps (``every=``/``--snapshot-every``): log each
+        interval it picks (under "auto" it changes with the measured cost)."""
+        every = rec["snapshot_every"]
+        if every and self._intervals.get(w.global_rank) != every:
+            self._intervals[w.global_rank] = every
+            self.events.emit("snapshot_interval", rank=w.global_rank, every=every,
+                             step=rec["step"], overhead=round(rec["snapshot_overhead"], 4))
+
+    def _dump_stacks(self) -> None:
+        targets = [(w.pid, w.bootstrapped, p, p) for w in self.workers if w.proc.poll() is None
+                   for p in [stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)]]
+        for path in dump_stacks(targets):
+            self.events.emit("stacks_dumped", path=path)
+
+    def _write_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status < 0.5:
+            return
+        self._last_status = now
+        write_json_atomic(os.path.join(self.run_dir, "status.json"), self.status())
+
+    def status(self) -> dict:
+        """The ``status.json`` object (DESIGN §1 keys plus the agent's own)."""
+        cfg, now = self.cfg, time.monotonic()
+        info = getattr(self, "info", None)
+        recs = [self.control.record(w.local_rank) for w in self.workers]
+        workers = [w.row(r, info.group_rank if info else 0, now) for w, r in zip(self.workers, recs)]
+        for row, r in zip(workers, recs):
+            if r["snapshot_every"]:  # interval mode (0: a snapshot at every step)
+                row.update(snapshot_every=r["snapshot_every"],
+                           snapshot_overhead=round(r["snapshot_overhead"], 4))
+        slots = {str(w.global_rank): [p for k in range(cfg.num_slots) for p in
+                                      [P.slot_path(self._slot_prefix(w.global_rank), k)]
+                                      if os.path.exists(p)] for w in self.workers}
+        checkpoint = {"memory_step": None, "peer_step": None, "persisted_step": None,
+                      "persisted_url": None}
+        for tier in self.tiers:
+            checkpoint.update(tier.status())
+        return {
+            "run_id": info.run_id if info else cfg.rdzv_id, "state": self.state,
+            "restarts": self.epoch.restarts, "attempt": self.epoch.attempt,
+            "nnodes": info.group_world_size if info else cfg.min_nodes,
+            "nproc_per_node": cfg.nproc_per_node, "node": info.group_rank if info else 0,
+            "agent_pid": os.getpid(), "updated": time.time(), "job_token": self.token,
+            "persist_to": cfg.persist_to, "workers": workers, "checkpoint": checkpoint,
+            "failures": self.failures, "slots": slots,
+            "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
+            "spare_pids": self.launcher.spare_pids(),
+        }
+
+    def _shutdown(self, code: int) -> None:
+        try:
+            stop_workers(self.workers, self.cfg.shutdown_timeout)
+            for tier in self.tiers:
+                tier.finished(code)  # e.g. the final persist of a successful job
+            if getattr(self, "live", None) is not None:
+                self.live.stop()
+        finally:
+            self.launcher.close()
+            self.state = "succeeded" if code == 0 else "failed"
+            with contextlib.suppress(Exception):
+                self._write_status(force=True)
+            self.events.emit("finished", exit_code=code)
+            self.memory.cleanup()
+            self.control.close()
+            unlink_shm(self.token)
+            self.reaper.close()
+            if hasattr(self, "rdzv"):
+                self.rdzv.shutdown()
+            self.events.close()
+
+
+def _signals(cfg: AgentConfig) -> List[int]:
+    names = {n.strip() for n in (cfg.signals_to_handle or "").split(",")}
+    return sorted({signal.SIGTERM, signal.SIGINT} | {
+        getattr(signal, n) for n in names if n.startswith("SIG") and hasattr(signal, n)})
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    """Run one node's agent until the job ends; returns the process exit code."""
+    err = _config_error(cfg)
+    if err:
+        print(f"ckptrun: error: {err}", file=sys.stderr)
+        return 2
+    return Agent(cfg).run()

@@ -1,0 +1,346 @@
+"""Starting and stopping one node's worker group: environment, warm spares, restarts
+(log routing: ``ckptrun.agent.logs``).
+
+Why ``subprocess.Popen`` and not torch's ``start_processes``: torch's process context owns
+the whole life of a group (start, tail the logs, close) and gives no way to (a) make each
+child die with the agent (``prctl(PR_SET_PDEATHSIG)``), (b) hand a worker over to a
+*pre-started* interpreter that already imported torch (warm spares, the point of a fast
+restart), or (c) put each worker in its own process group so that a whole tree, grand
+children included, can be killed even after the worker itself died.  The pieces of torch
+that carry meaning for users are reused: the ``Std`` redirect/tee spec and torchrun's log
+layout and line headers.
+
+Every child is spawned from the agent's main thread: ``PR_SET_PDEATHSIG`` fires when the
+*thread* that forked the child exits, so a child forked by a short-lived helper thread
+would be killed when that thread ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import psutil
+
+from ckptrun.agent.logs import Pump, StreamRoute, attach_pumps, stream_routes
+from ckptrun.agent.stopping import (
+    EXIT_POLL_S,
+    PF_EXITING,
+    kill_trees,
+    maps_a_device,
+    reap_all,
+    stat_flags,
+    threads_exiting,
+)
+from ckptrun.config import AgentConfig
+from ckptrun.protocol.priority import renice
+
+_PR_SET_PDEATHSIG = 1
+RETIRE_WAIT_S = 1.0  # longest wait for a killed group's threads to stop running user code
+try:  # resolved once here, in the parent: the child only calls it between fork and exec
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: orphans are left to the reaper
+    _prctl = None
+
+
+def _child_setup() -> None:
+    """Runs in the child between fork and exec: die with the agent."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Worker:
+    """One running worker process."""
+
+    local_rank: int
+    global_rank: int
+    proc: subprocess.Popen
+    bootstrapped: bool  # runs ckptrun.worker.bootstrap: has the faulthandler SIGUSR1 hook
+    warm: bool  # was a pre-started spare
+    started: float = field(default_factory=time.monotonic)
+    pumps: List[Pump] = field(default_factory=list)
+    stat_fd: int = -1  # /proc/<pid>/stat, kept open; -1 where there is none
+
+    pid = property(lambda self: self.proc.pid)
+
+    def __post_init__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.stat_fd = os.open(f"/proc/{self.proc.pid}/stat", os.O_RDONLY)
+
+    def status(self) -> Optional[int]:
+        """Like ``proc.poll()``, but a worker that has begun to exit *with a failure*
+        counts as exited with it (:meth:`failing`)."""
+        code = self.proc.poll()
+        return code if code is not None else self.failing()
+
+    def failing(self) -> Optional[int]:
+        """The exit status (``proc.returncode`` encoding) of a worker that has begun to
+        exit with a failure, else None.  The kernel frees a dead process's memory before it
+        can be reaped (~0.15 s per 256 MiB here); its exit status and PF_EXITING are in
+        ``/proc/<pid>/stat`` from the start, so a crash is acted on while that runs."""
+        if self.stat_fd < 0:
+            return None
+        try:
+            flags, status = stat_flags(os.pread(self.stat_fd, 4096, 0))
+        except (OSError, ValueError, IndexError):
+            return None
+        if not flags & PF_EXITING or status == 0:
+            return None  # running, or a clean exit: that one is taken when reaped
+        return -(status & 0x7F) if status & 0x7F else status >> 8  # waitpid encoding
+
+    def close(self) -> None:
+        if self.stat_fd >= 0:
+            os.close(self.stat_fd)
+            self.stat_fd = -1
+
+    def row(self, rec: dict, node: int, now: float) -> dict:
+        """This worker in ``status.json`` (``rec``: its control-block record)."""
+        code = self.proc.poll()
+        return {"rank": self.global_rank, "local_rank": self.local_rank, "node": node,
+                "pid": self.pid, "step": rec["step"], "warm": self.warm,
+                "state": "running" if code is None else "succeeded" if code == 0 else "failed",
+                "heartbeat_age_s": round(now - rec["heartbeat"], 3) if rec["beats"] else None}
+
+
+@dataclass
+class _Spare:
+    local_rank: int
+    proc: subprocess.Popen
+    go_fd: int  # write end of the "go" pipe
+    pipes: Dict[str, Optional[int]]  # read ends of stdout/stderr, None when inherited
+
+
+def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None) -> List[str]:
+    python = os.getenv("PYTHON_EXEC", sys.executable)
+    argv = [python, "-u", "-m", "ckptrun.worker.bootstrap", "--go-fd", str(go_fd)]
+    argv += ["--nice", str(nice)] if nice else []
+    return argv + (["--slots", slots[0], str(slots[1])] if slots else [])
+
+
+def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
+           pass_fds: tuple = (), cwd: Optional[str] = None):
+    """Popen with PDEATHSIG, its own process group, and pipes for captured streams."""
+    std: Dict[str, object] = {}
+    reads: Dict[str, Optional[int]] = {}
+    for name in ("stdout", "stderr"):
+        r = routes[name]
+        if r.piped:
+            rfd, wfd = os.pipe()
+            std[name], reads[name] = wfd, rfd
+        elif r.inherit:
+            std[name], reads[name] = None, None
+        else:  # filtered out by --local-ranks-filter and not written to a file
+            std[name], reads[name] = subprocess.DEVNULL, None
+    try:
+        proc = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=std["stdout"], stderr=std["stderr"],
+            pass_fds=pass_fds, preexec_fn=_child_setup, process_group=0, close_fds=True,
+        )
+    except BaseException:
+        for fd in reads.values():
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for v in std.values():
+            if isinstance(v, int) and v >= 0:
+                os.close(v)
+    return proc, reads
+
+
+def go_message(cfg: AgentConfig, env: Dict[str, str], argv: List[str]) -> bytes:
+    """The JSON a bootstrap waits for: what ``python [-m] script args`` would have run."""
+    kind = "module" if cfg.module else "script"
+    return json.dumps({"env": env, "argv": argv, "kind": kind, "target": cfg.script,
+                       "cwd": os.getcwd(), "nice": os.getpriority(os.PRIO_PROCESS, 0)}).encode()
+
+
+def script_args(cfg: AgentConfig, local_rank: int) -> List[str]:
+    """Arguments after the script, with torchrun's ``--local-rank=N`` when not use_env."""
+    extra = [] if cfg.use_env else [f"--local-rank={local_rank}"]
+    return extra + list(cfg.script_args)
+
+
+class WorkerLauncher:
+    """Starts workers (from a warm spare when one is ready) and keeps spares for restarts."""
+
+    def __init__(self, cfg: AgentConfig, base_env: Dict[str, str], on_spawn=None):
+        self.cfg = cfg
+        self.base_env = base_env  # the agent's environment + job-constant worker variables
+        # knobs for measurements: CKPTRUN_WARM_SPARES=0 (cold restarts), CKPTRUN_SPARE_DELAY
+        self.use_spares = os.environ.get("CKPTRUN_WARM_SPARES", "1") != "0" and not cfg.no_python
+        self.spare_delay = float(os.environ.get("CKPTRUN_SPARE_DELAY", "3"))
+        self.on_spawn = on_spawn or (lambda pid: None)  # tells the reaper
+        self._spares: Dict[int, _Spare] = {}
+        self._spares_due: Optional[float] = None
+        self._spare_slots: Dict[int, str] = {}  # local rank -> slot prefix its spare maps
+        self._retired: List[Tuple[List[Worker], List[psutil.Process]]] = []  # dying groups
+        self._spare_nice = 10 if os.geteuid() == 0 else 0  # only root can un-nice at "go"
+
+    # -- starting ----------------------------------------------------------------------
+    def start(self, local_rank: int, global_rank: int, env: Dict[str, str],
+              log_dir: str) -> Worker:
+        """Start one worker with ``env`` (complete environment); logs under ``log_dir``."""
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        routes = stream_routes(self.cfg, local_rank, global_rank)
+        cfg = self.cfg
+        if cfg.no_python:
+            proc, reads = _spawn([cfg.script, *script_args(cfg, local_rank)], env, routes)
+            self.on_spawn(proc.pid)
+            return Worker(local_rank, global_rank, proc, False, False,
+                          pumps=attach_pumps(reads, routes, log_dir))
+        argv = [cfg.script, *script_args(cfg, local_rank)]
+        spare = self._take_spare(local_rank, routes)
+        warm = spare is not None
+        if spare is None:
+            spare = self._spawn_bootstrap(local_rank, routes, env)
+        msg = go_message(cfg, env, argv)
+        if warm and self._spare_nice:
+            # At full priority before it wakes: a niced spare waits behind every busy
+            # process for the CPU it needs to read "go" (~35 ms here under load).
+            renice(spare.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+        with contextlib.suppress(BrokenPipeError):  # died meanwhile: its exit code tells
+            os.write(spare.go_fd, msg)  # < pipe buffer (64 KiB) for any sane environment
+        os.close(spare.go_fd)
+        pumps = attach_pumps(spare.pipes, routes, log_dir)
+        return Worker(local_rank, global_rank, spare.proc, True, warm, pumps=pumps)
+
+    def _spawn_bootstrap(self, local_rank: int, routes: Dict[str, StreamRoute],
+                         env: Dict[str, str], nice: int = 0,
+                         slots: Optional[tuple] = None) -> _Spare:
+        rfd, wfd = os.pipe()
+        try:
+            proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots), env, routes,
+                                 pass_fds=(rfd,))
+        finally:
+            os.close(rfd)
+        os.set_inheritable(wfd, False)
+        self.on_spawn(proc.pid)
+        return _Spare(local_rank, proc, wfd, reads)
+
+    # -- warm spares -------------------------------------------------------------------
+    def schedule_spares(self, slot_prefixes: Optional[Dict[int, str]] = None) -> None:
+        """Called after a group starts: spares come up once the workers are past start-up.
+        ``slot_prefixes`` (local rank -> ``CKPTRUN_SLOT_PREFIX``): slot files each spare
+        maps ahead of need."""
+        if self.use_spares:
+            self._spares_due = time.monotonic() + self.spare_delay
+            self._spare_slots = dict(slot_prefixes or {})
+
+    def tick(self) -> None:
+        """Main-thread housekeeping: start due spares, drop spares that died, reap."""
+        self._reap_retired()
+        for lr, sp in list(self._spares.items()):
+            if sp.proc.poll() is not None:
+                self._discard(lr)
+        if self._spares_due is None or time.monotonic() < self._spares_due:
+            return
+        self._spares_due = None
+        for lr in range(self.cfg.nproc_per_node):
+            if lr not in self._spares:
+                # a spare's rank is only known at "go": route as for the same local rank
+                routes = stream_routes(self.cfg, lr, lr)
+                prefix = self._spare_slots.get(lr)
+                slots = (prefix, self.cfg.num_slots) if prefix else None
+                self._spares[lr] = self._spawn_bootstrap(lr, routes, self.base_env,
+                                                         self._spare_nice, slots)
+
+    def _take_spare(self, local_rank: int, routes: Dict[str, StreamRoute]) -> Optional[_Spare]:
+        sp = self._spares.get(local_rank)
+        if sp is None or sp.proc.poll() is not None:
+            if sp is not None:
+                self._discard(local_rank)
+            return None
+        want = {n: r.piped for n, r in routes.items()}
+        if want != {n: fd is not None for n, fd in sp.pipes.items()}:
+            self._discard(local_rank)  # routed differently (prefix uses the global rank only)
+            return None
+        return self._spares.pop(local_rank)
+
+    def _discard(self, local_rank: int) -> None:
+        sp = self._spares.pop(local_rank)
+        os.close(sp.go_fd)  # EOF: an idle bootstrap exits by itself
+        for fd in sp.pipes.values():
+            if fd is not None:
+                os.close(fd)
+        kill_trees([sp.proc], grace=0.0)
+
+    def spare_pids(self) -> List[int]:
+        return [sp.proc.pid for sp in self._spares.values()]
+
+    def close(self) -> None:
+        """Stop all spares and reap retired groups (end of job)."""
+        self._spares_due = None
+        for lr in list(self._spares):
+            self._discard(lr)
+        for workers, tree in self._retired:
+            drain(workers, tree)
+        self._retired = []
+
+    # -- retiring a group for a restart ------------------------------------------------
+    def retire(self, workers: List[Worker]) -> None:
+        """SIGKILL a group for a restart and return once none of its threads can run user
+        code -- write a slot -- any more (milliseconds), rather than once the kernel has
+        freed its memory (~0.15 s per 256 MiB here): that runs while the next attempt
+        starts, and :meth:`tick`/:meth:`close` reap them.  A group that mapped a device
+        (GPU) is reaped first: its device memory is only free once it is gone."""
+        device = any(maps_a_device(w.pid) for w in workers if w.proc.poll() is None)
+        tree = kill_trees([w.proc for w in workers], 0.0, reap=False)
+        deadline = time.monotonic() + RETIRE_WAIT_S
+        while not device and time.monotonic() < deadline:
+            if all(w.proc.poll() is not None or threads_exiting(w.pid) for w in workers):
+                self._retired.append((workers, tree))
+                return
+            time.sleep(0.002)
+        drain(workers, tree)  # a device, or a thread stuck in the kernel: wait it out
+
+    def _reap_retired(self) -> None:
+        self._retired = [(ws, tree) for ws, tree in self._retired
+                         if not drain(ws, tree, block=False)]
+
+
+def wait_for_exit(workers: List[Worker], timeout: float) -> None:
+    """Sleep up to ``timeout`` s, but return within ``EXIT_POLL_S`` of one of the running
+    ``workers`` exiting or starting to fail (:meth:`Worker.status`): a crash is acted on
+    when it happens, not at the next monitor tick."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if any(w.proc.returncode is None and
+               (w.failing() if w.stat_fd >= 0 else w.proc.poll()) is not None for w in workers):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(EXIT_POLL_S, left))
+
+
+def stop_workers(workers: List[Worker], grace: float) -> None:
+    """Stop a group (SIGTERM, ``grace``, SIGKILL; ``grace`` 0: SIGKILL at once) and wait
+    until their logs are drained."""
+    drain(workers, kill_trees([w.proc for w in workers], grace))
+
+
+def drain(workers: List[Worker], tree: List[psutil.Process], block: bool = True) -> bool:
+    """Reap a killed group (``block`` False: only if it is gone already) and drain its
+    logs; False if it is not gone yet."""
+    if block:
+        reap_all([w.proc for w in workers], tree)
+    elif any(w.proc.poll() is None for w in workers):
+        return False
+    for w in workers:
+        w.close()
+        for pump in w.pumps:
+            pump.join(timeout=2 if block else 0)
+    return True

@@ -1,0 +1,372 @@
+"""``ckptrun [TORCHRUN OPTIONS] [CKPTRUN OPTIONS] SCRIPT [ARGS...]`` -> :class:`AgentConfig`.
+
+Built on torch's public ``torch.distributed.run.get_args_parser()`` so every torchrun flag,
+both spellings and argparse's unique prefixes keep working, with ckptrun's options added.
+Everything is checked *before* anything starts: a bad command line raises :class:`UsageError`
+with a one-line message, which the CLI turns into ``ckptrun: error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shutil
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+from ckptrun import __version__
+from ckptrun.cli.usage import FALSE, TRUE, URL_RE, UsageError
+from ckptrun.config import AgentConfig
+
+# (option, metavar, help) of ckptrun's own options; each also reads CKPTRUN_<NAME>.
+_OWN_OPTIONS = [
+    ("--run-dir", "PATH", "logs, status.json, events.jsonl (default: ckptrun-runs/<run-id>)"),
+    ("--persist-to", "URL", "durable tier, any fsspec URL (default: <run-dir>/checkpoints)"),
+    ("--persist-every", "N|DURATION", "persist every N steps, or every 30s/10m/1h (default: 10m)"),
+    ("--keep", "N", "persisted checkpoints kept (default: 3)"),
+    ("--replicas", "M", "copies of each node's snapshot in CPU memory, own included (default: 2)"),
+    ("--hang-timeout", "SECONDS|auto", "no heartbeat for this long = hang (default: auto)"),
+    ("--resume-from", "URL", "restore from this persisted checkpoint at first start"),
+    ("--replication-rate", "MB/s", "cap on each agent's peer-replication traffic, MB/s; 0 = "
+     "unpaced (default: 0)"),
+    ("--replication-budget", "PCT|off", "replication may slow training by at most this much, "
+     "measured from the workers' heartbeats; off = rounds back to back (default: 5%%)"),
+    ("--snapshot-every", "N|auto", "memory snapshot every N steps, or auto: every step while "
+     "it costs <= 3%% of training time (CKPTRUN_SNAPSHOT_OVERHEAD), else every k-th (default: 1)"),
+]
+_OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto",
+                 "replication_rate": "0", "replication_budget": "5%"}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd])\s*$", re.IGNORECASE)
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NO_SCRIPT = "no training script given (usage: ckptrun [OPTIONS] SCRIPT [ARGS...])"
+
+
+def _torch_run():
+    """torch's launcher module, or a clear error on a torch without its public parser."""
+    try:
+        import torch.distributed.run as trun
+
+        trun.get_args_parser, trun.determine_local_world_size, trun.parse_min_max_nnodes  # noqa: B018
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"ckptrun needs torch>=2.4 with torch.distributed.run ({exc})") from exc
+    return trun
+
+
+@contextmanager
+def _without_pet_env() -> Iterator[None]:
+    """Hide ``PET_*`` while torch builds its parser.
+
+    torch reads them in the actions' constructors and crashes on ``PET_STANDALONE=""``
+    (``int("")``); we apply them ourselves afterwards with lenient boolean parsing.
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PET_")}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _raise_usage(message: str) -> None:
+    raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser plus ckptrun's options, with env defaults applied and errors raised."""
+    trun = _torch_run()
+    with _without_pet_env():
+        parser = trun.get_args_parser()
+    parser.prog = "ckptrun"
+    parser.description = (
+        "Run a PyTorch training job like torchrun, with per-iteration in-memory checkpoints "
+        "and fast recovery from crashes and hangs. Subcommands: 'ckptrun status', "
+        "'ckptrun restore', 'ckptrun run' (when the script is named status/restore/run)."
+    )
+    parser.error = _raise_usage  # one line, no usage dump, no SystemExit from deep inside
+    parser.set_defaults(max_restarts=10)  # a launcher for recovery recovers unless told not to
+    group = parser.add_argument_group("ckptrun options (also CKPTRUN_<NAME> environment variables)")
+    for opt, metavar, text in _OWN_OPTIONS:
+        dest = opt[2:].replace("-", "_")
+        default = os.environ.get("CKPTRUN_" + dest.upper()) or _OWN_DEFAULTS.get(dest)
+        spellings = dict.fromkeys([opt, "--" + dest])  # --run-dir and --run_dir
+        group.add_argument(*spellings, dest=dest, metavar=metavar, default=default, help=text)
+    parser.add_argument("--version", action="version", version=f"ckptrun {__version__}")
+    _apply_pet_env(parser)
+    return parser
+
+
+def _apply_pet_env(parser: argparse.ArgumentParser) -> None:
+    """``PET_<DEST>`` defaults for torch's options; an empty value counts as unset."""
+    defaults = vars(parser.parse_known_args(["x"])[0])
+    for dest, default in defaults.items():
+        if dest in ("training_script", "training_script_args") or dest in _OWN_DEFAULTS:
+            continue
+        value = os.environ.get("PET_" + dest.upper())
+        if value is None or (value == "" and not isinstance(default, bool)):
+            continue
+        if isinstance(default, bool):
+            low = value.strip().lower()
+            if low not in FALSE | TRUE:
+                raise UsageError(f"PET_{dest.upper()}={value!r} is not a boolean (use 1 or 0)")
+            parser.set_defaults(**{dest: low in TRUE})
+        else:
+            parser.set_defaults(**{dest: value})  # argparse applies the option's type later
+
+
+def _parse_namespace(parser: argparse.ArgumentParser, argv: List[str]) -> argparse.Namespace:
+    """Parse, resolving "ambiguous" prefixes whose matches are spellings of one option.
+
+    argparse treats ``--nproc`` as ambiguous between ``--nproc-per-node`` and
+    ``--nproc_per_node`` although both name the same option; torchrun rejects it too.
+    """
+    argv = list(argv)
+    for _ in range(len(argv) + 1):
+        try:
+            return parser.parse_args(argv)
+        except UsageError as exc:
+            m = re.match(r"ambiguous option: (\S+?)(?:=\S*)? could match (.+)$", str(exc))
+            matches = m and {s.strip().replace("_", "-") for s in m.group(2).split(",")}
+            if not m or len(matches) != 1:
+                raise
+            prefix, full = m.group(1), matches.pop()
+            for i, tok in enumerate(argv):
+                if tok == prefix or tok.startswith(prefix + "="):
+                    argv[i] = full + tok[len(prefix):]
+                    break
+            else:
+                raise
+    raise UsageError("could not parse the command line")
+
+
+def parse(argv: List[str]) -> AgentConfig:
+    """Parse and validate a ``ckptrun`` command line (without the program name)."""
+    trun = _torch_run()
+    parser = build_parser()
+    if not argv:
+        raise UsageError(_NO_SCRIPT)
+    try:
+        ns = _parse_namespace(parser, argv)
+    except UsageError as exc:
+        if "required: training_script" in str(exc):
+            raise UsageError(_NO_SCRIPT) from None
+        raise
+    run_id = ns.rdzv_id if ns.rdzv_id and ns.rdzv_id != "none" else new_run_id()
+    min_nodes, max_nodes = _nnodes(trun, ns.nnodes)
+    nproc = _nproc(trun, ns.nproc_per_node)
+    _check_script(ns)
+    if ns.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+
+    backend, endpoint, rdzv_id = ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id
+    if ns.standalone:
+        backend, endpoint, rdzv_id = "c10d", "localhost:0", run_id
+    elif backend == "static" and not endpoint and ns.master_port is None and max_nodes == 1:
+        backend, endpoint, rdzv_id = "c10d", "localhost:0", run_id  # as torchrun's run()
+    master_port = 29500 if ns.master_port is None else ns.master_port
+    rdzv_configs: Dict[str, object] = dict(_rdzv_conf(ns.rdzv_conf))
+    if backend == "static":
+        if not 0 <= ns.node_rank < max_nodes:
+            raise UsageError(f"--node-rank {ns.node_rank} is outside 0..{max_nodes - 1}")
+        rdzv_configs["rank"] = ns.node_rank
+        if not endpoint:
+            endpoint = f"{ns.master_addr}:{master_port}"
+    if backend == "c10d" and not endpoint:
+        raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (or --standalone)")
+
+    run_dir = os.path.abspath(os.path.expanduser(ns.run_dir or os.path.join("ckptrun-runs", run_id)))
+    persist_to = _absolute_url(ns.persist_to or os.path.join(run_dir, "checkpoints"))
+    every_steps, every_seconds = parse_persist_every(ns.persist_every)
+    cfg = AgentConfig(
+        script=ns.training_script, script_args=list(ns.training_script_args), module=ns.module,
+        no_python=ns.no_python, run_path=ns.run_path, nproc_per_node=nproc,
+        min_nodes=min_nodes, max_nodes=max_nodes, rdzv_backend=backend, rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id, rdzv_configs=rdzv_configs, standalone=ns.standalone,
+        node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=master_port,
+        local_addr=ns.local_addr, role=ns.role, max_restarts=ns.max_restarts,
+        monitor_interval=float(_positive(ns.monitor_interval, "--monitor-interval")),
+        start_method=ns.start_method, shutdown_timeout=_shutdown_timeout(ns.shutdown_timeout),
+        signals_to_handle=ns.signals_to_handle, log_dir=ns.log_dir,
+        redirects=_std(ns.redirects, "--redirects"), tee=_std(ns.tee, "--tee"),
+        local_ranks_filter=_ranks_filter(ns.local_ranks_filter), run_dir=run_dir,
+        persist_to=persist_to, persist_every_steps=every_steps,
+        persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
+        replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
+        resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
+        replication_rate=parse_replication_rate(ns.replication_rate),
+        replication_budget=_replication_budget(ns.replication_budget),
+        snapshot_every=_snapshot_every(ns.snapshot_every),
+    )
+    from ckptrun.cli.preflight import check_environment
+
+    check_environment(cfg)
+    return cfg
+
+
+def _snapshot_every(text: Optional[str]) -> str:
+    from ckptrun.worker.interval import parse_every
+
+    try:
+        return parse_every(text or 1)[1]
+    except ValueError:
+        raise UsageError(f"--snapshot-every takes N steps or 'auto'; got {text!r}") from None
+
+
+def _replication_budget(text: Optional[str]) -> Optional[float]:
+    from ckptrun.tiers.peer.pacing import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError:
+        raise UsageError(f"--replication-budget takes a share like 5% or 0.05, or 'off'; "
+                         f"got {text!r}") from None
+
+
+def new_run_id() -> str:
+    """A readable, unique-enough run id such as ``20261129-153012-ab12``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def parse_duration(text: str) -> Optional[float]:
+    """``30s``/``10m``/``1.5h``/``1d`` -> seconds; ``None`` if ``text`` has no unit."""
+    m = _DURATION.match(text)
+    return float(m.group(1)) * _UNIT_S[m.group(2).lower()] if m else None
+
+
+def parse_persist_every(text: str) -> Tuple[Optional[int], Optional[float]]:
+    """``N`` (steps) or a duration -> ``(steps, None)`` or ``(None, seconds)``."""
+    text = str(text).strip()
+    seconds = parse_duration(text)
+    if seconds is None and not re.match(r"^\d+$", text):
+        raise UsageError(f"--persist-every takes N steps or a duration like 30s, 10m, 1h; got {text!r}")
+    _positive(float(text) if seconds is None else seconds, "--persist-every")
+    return (None, seconds) if seconds is not None else (int(text), None)
+
+
+def parse_replication_rate(text: str) -> Optional[float]:
+    """``MB/s`` (decimal megabytes) -> bytes/s; ``0``/``off``/``unlimited`` -> None (unpaced)."""
+    text = str(text).strip().lower()
+    if text in ("", "0", "off", "none", "unlimited"):
+        return None
+    try:
+        mb_s = float(text.removesuffix("mb/s"))
+    except ValueError:
+        raise UsageError(f"--replication-rate takes MB/s (0 = unpaced), got {text!r}") from None
+    if not mb_s > 0 or mb_s == float("inf"):
+        raise UsageError(f"--replication-rate must be a positive number of MB/s or 0, got {text!r}")
+    return mb_s * 1e6
+
+
+def parse_hang_timeout(text: str) -> Optional[float]:
+    """``auto`` -> ``None``; ``SECONDS`` or a duration -> positive seconds."""
+    text = str(text).strip()
+    if text.lower() == "auto":
+        return None
+    try:
+        seconds = parse_duration(text) or float(text)
+    except ValueError:
+        raise UsageError(f"--hang-timeout takes SECONDS or 'auto', got {text!r}") from None
+    return _positive(seconds, "--hang-timeout")
+
+
+def _nnodes(trun, text: str) -> Tuple[int, int]:
+    try:
+        lo, hi = trun.parse_min_max_nnodes(str(text))
+    except (ValueError, RuntimeError):
+        raise UsageError(f"--nnodes takes N or MIN:MAX, got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise UsageError(f"--nnodes needs 0 < MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _nproc(trun, text: str) -> int:
+    import logging
+
+    # determine_local_world_size logs at INFO through torch's logger; keep the CLI quiet.
+    logging.getLogger("torch.distributed.run").setLevel(logging.WARNING)
+    try:
+        n = trun.determine_local_world_size(str(text))
+    except ValueError as exc:
+        raise UsageError(f"--nproc-per-node {text}: {exc}") from None
+    if n <= 0:
+        raise UsageError(f"--nproc-per-node must be >= 1, got {text!r}")
+    return n
+
+
+def _check_script(ns: argparse.Namespace) -> None:
+    script = ns.training_script
+    if ns.module and ns.no_python and not ns.run_path:
+        raise UsageError("--no-python and -m/--module cannot be used together")
+    if ns.module and not ns.run_path:
+        return  # a module name: Python resolves it in the worker
+    if ns.no_python and not ns.run_path:
+        if not (shutil.which(script) or os.path.isfile(script)):
+            raise UsageError(f"program not found: {script} (not a file, not on PATH)")
+        return
+    if not os.path.isfile(script):
+        raise UsageError(f"training script not found: {script}")
+
+
+def _rdzv_conf(text: str) -> Dict[str, str]:
+    conf: Dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not key.strip() or not sep or not value.strip():
+            raise UsageError(f"--rdzv-conf takes KEY=VALUE,... ; bad item {item!r}")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def _absolute_url(url: str) -> str:
+    """Plain paths become absolute; URLs with a scheme (``file://``, ``s3://``) stay as given."""
+    return url if URL_RE.match(url) else os.path.abspath(os.path.expanduser(url))
+
+
+def _count(text: str, flag: str) -> int:
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        raise UsageError(f"{flag} takes a whole number, got {text!r}") from None
+    return _positive(n, flag)
+
+
+def _positive(value, flag: str):
+    if not 0 < value < float("inf"):
+        raise UsageError(f"{flag} must be positive, got {value}")
+    return value
+
+
+def _shutdown_timeout(value: Optional[int]) -> float:
+    """torchrun's order: the flag, then ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then our default."""
+    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    try:
+        value = value if value is not None else float(env) if env else AgentConfig.shutdown_timeout
+    except ValueError:
+        raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={env!r} is not a number") from None
+    if value < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0, got {value}")
+    return float(value)
+
+
+def _std(text: str, flag: str) -> str:
+    from torch.distributed.elastic.multiprocessing import Std
+
+    try:
+        Std.from_str(str(text))
+    except (ValueError, KeyError):
+        raise UsageError(f"{flag} takes 0-3 or LOCAL_RANK:N,... (e.g. 3 or 0:1,1:2); "
+                         f"got {text!r}") from None
+    return str(text)
+
+
+def _ranks_filter(text: str) -> Optional[Set[int]]:
+    if not text:
+        return None
+    try:
+        return {int(r) for r in text.split(",")}
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter takes a comma-separated list of integers, "
+                         f"got {text!r}") from None

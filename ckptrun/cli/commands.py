@@ -1,0 +1,112 @@
+"""The ``ckptrun`` command: ``ckptrun [run] ...``, ``ckptrun status``, ``ckptrun restore``.
+
+``ckptrun [TORCHRUN OPTIONS] [CKPTRUN OPTIONS] SCRIPT [ARGS...]`` without a subcommand means
+``run``. Click dispatches the subcommands; the run options are parsed by torch's argparse
+parser (``ckptrun.cli.args``), so click must pass them through untouched: the ``run`` command
+takes its arguments unprocessed and has no help option of its own (``--help`` goes to
+argparse, which lists torchrun's and ckptrun's options).
+
+Exit codes: 0 success, 1 job failed, 2 usage error. Heavy imports (torch, the agent) happen
+only in ``run`` so that ``ckptrun status`` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import List, Optional
+
+import click
+
+from ckptrun import __version__
+
+SUBCOMMANDS = ("run", "status", "restore")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def usage_error(message: str) -> int:
+    """Print ``ckptrun: error: <message>`` (one line) to stderr and return exit code 2."""
+    click.echo(f"ckptrun: error: {message}", err=True)
+    return EXIT_USAGE
+
+
+def run_main(argv: List[str]) -> int:
+    """Parse a run command line and hand it to the agent; returns the process exit code."""
+    from ckptrun.cli.args import UsageError, parse
+
+    try:
+        cfg = parse(argv)
+    except UsageError as exc:
+        return usage_error(str(exc))
+    level = os.environ.get("CKPTRUN_LOG_LEVEL", "").upper()
+    if level:  # the agent's own log (restore decisions, replication) on stderr, for debugging
+        logging.basicConfig(level=getattr(logging, level, logging.INFO),
+                            format="ckptrun %(asctime)s %(name)s: %(message)s")
+        logging.getLogger("torch").setLevel(logging.WARNING)
+    from ckptrun.agent.supervisor import run_agent  # torch: only for ``run``
+
+    return int(run_agent(cfg))
+
+
+class _Group(click.Group):
+    """Loads ``status`` and ``restore`` only when used (the restore side may import torch)."""
+
+    def list_commands(self, ctx: click.Context) -> List[str]:
+        return list(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> Optional[click.Command]:
+        if name == "run":
+            return run_command
+        if name == "status":
+            from ckptrun.cli.status import status_command
+
+            return status_command
+        if name == "restore":
+            return _restore_command()
+        return None
+
+
+def _restore_command() -> click.Command:
+    from ckptrun.cli.restore import restore_command
+
+    return restore_command
+
+
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="A drop-in torchrun with per-iteration in-memory checkpoints and fast recovery.\n\n"
+    "ckptrun [TORCHRUN OPTIONS] [CKPTRUN OPTIONS] SCRIPT [ARGS...]  (= ckptrun run ...)",
+)
+@click.version_option(__version__, "--version", prog_name="ckptrun", message="%(prog)s %(version)s")
+def cli() -> None:
+    """The click group; :func:`main` routes command lines without a subcommand to ``run``."""
+
+
+@click.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                      "allow_interspersed_args": False, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def run_command(ctx: click.Context, argv: List[str]) -> None:
+    """Launch and supervise SCRIPT like torchrun (see ckptrun --help for the options)."""
+    ctx.exit(run_main(list(argv)))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console-script entry point (``ckptrun = ckptrun.cli:main``); exits the process."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] != "--version"):
+        argv = ["run", *argv]  # no subcommand: everything, --help included, belongs to run
+    try:
+        cli.main(args=argv, prog_name="ckptrun", standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Shared-memory files: their names under ``/dev/shm``, creating and mapping them, and a cache
+of populated maps (reading a mapped, populated file costs no page fault)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Dict, Iterator, Optional, Tuple
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "ckptrun-"  # every shared-memory file ckptrun creates starts with this
+
+def slot_path(prefix: str, slot: int) -> str:
+    """Path of slot ``slot`` for the rank whose prefix is ``prefix``."""
+    return f"{prefix}{slot}"
+
+
+def rank_slot_prefix(job_token: str, rank: int) -> str:
+    """``/dev/shm/ckptrun-<token>-r<rank>-s``: slot files of a global rank on this node."""
+    return os.path.join(SHM_DIR, f"{SHM_PREFIX}{job_token}-r{rank}-s")
+
+
+def control_path(job_token: str) -> str:
+    return os.path.join(SHM_DIR, f"{SHM_PREFIX}{job_token}-control")
+
+
+def create_shm_file(path: str, size: int, prefault: bool = True) -> mmap.mmap:
+    """Create an owner-only shared-memory file of ``size`` bytes and map it.
+
+    Pre-faulting pays the first-touch cost (~15x slower than copying into touched pages)
+    once, at allocation, instead of on the first snapshot.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        if prefault and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, size)  # reserves tmpfs pages: ENOSPC now, not SIGBUS later
+            except OSError:
+                os.close(fd)
+                fd = -1
+                os.unlink(path)
+                raise
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+        mm = mmap.mmap(fd, size, flags=flags)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return mm
+
+
+def open_shm_file(path: str, populate: bool = False, write: bool = True) -> mmap.mmap:
+    """Map an existing shared-memory file (whole length)."""
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+    try:
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+        return mmap.mmap(fd, 0, flags=flags, prot=prot)
+    finally:
+        os.close(fd)
+
+
+class ShmMaps:
+    """Shared-memory files kept mapped and pre-faulted (MAP_POPULATE), by path; a file that
+    was replaced or resized since is mapped again (one ``stat`` tells).  Reading a mapped,
+    populated slot costs no page fault, so verifying 256 MiB is a pure hash (~20 ms here).
+    A map that is dropped is unmapped when its last user lets go of it (never under a
+    thread still reading it)."""
+
+    def __init__(self, write: bool = False) -> None:
+        self.write = write
+        self._maps: Dict[str, Tuple[Tuple[int, int], mmap.mmap]] = {}
+
+    def get(self, path: str) -> Optional[mmap.mmap]:
+        """The current map of ``path``, mapped now if new or changed; None: no file, or empty."""
+        old = self._maps.get(path)
+        if old is not None and self._current(path, old[0]):
+            return old[1]
+        self._maps.pop(path, None)
+        try:
+            fd = os.open(path, os.O_RDWR if self.write else os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                return None
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.write else 0)
+            mm = mmap.mmap(fd, 0, flags=flags, prot=prot)
+        finally:
+            os.close(fd)
+        self._maps[path] = ((st.st_ino, st.st_size), mm)
+        return mm
+
+    def take(self, path: str) -> Optional[mmap.mmap]:
+        """Hand over the map of ``path`` if it still maps the file there (the caller owns it)."""
+        old = self._maps.pop(path, None)
+        return old[1] if old is not None and self._current(path, old[0]) else None
+
+    def items(self) -> Iterator[Tuple[str, mmap.mmap]]:
+        return ((p, mm) for p, (_, mm) in list(self._maps.items()))
+
+    def drop(self, which=lambda path: True) -> None:
+        """Unmap the files whose path ``which`` accepts (default: all)."""
+        for path in [p for p in list(self._maps) if which(p)]:
+            self._maps.pop(path, None)
+
+    @staticmethod
+    def _current(path: str, key: Tuple[int, int]) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_size) == key

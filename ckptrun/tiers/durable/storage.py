@@ -1,0 +1,400 @@
+"""The durable tier: ``<url>/step-<N>/`` in ``torch.distributed.checkpoint`` (DCP) format.
+
+A step directory (any fsspec URL) holds ``__<node>_<k>.distcp`` (tensors, written by DCP's own
+storage writer), DCP's ``.metadata`` (so plain ``dcp.load`` reads it without ckptrun) and
+``ckptrun.json``, our JSON index, written LAST: a step without it does not exist.  DCP keys
+are ``rank<r>/<path>`` plus ``rank<r>/__ckptrun_meta__`` (uint8 tensor of the snapshot's JSON
+meta): tensors only.  Reading back never unpickles: the index gives each tensor's file,
+offset and length; each byte range goes through ``torch.load(weights_only=True)`` and its
+xxh3 checksum is verified.  Writing is split for multi-node jobs: each node calls
+:func:`write_parts` (its own ``__<node>_`` files, returns JSON-able :data:`PartInfo`), one
+process calls :func:`finalize`; :func:`write_step` does both on a single node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import posixpath
+import re
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ckptrun.snapshot import shards
+
+Snapshot = Tuple[Dict[str, Any], List[torch.Tensor]]
+PartInfo = Dict[str, Any]  # JSON-able: {"node", "step", "ranks": {r: {...}}, "bytes", "seconds"}
+
+INDEX_NAME = "ckptrun.json"
+META_KEY = "__ckptrun_meta__"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class StorageError(Exception):
+    """A durable-storage problem, with a one-line message fit for the command line."""
+
+
+def _fs(url: str):
+    """``(filesystem, path)`` for ``url``; local paths become absolute."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, path = url_to_fs(str(url))
+    except (ValueError, ImportError) as e:  # unknown protocol or its package missing
+        raise StorageError(f"unsupported storage URL {url}: {_one_line(e)}") from e
+    path = os.path.abspath(path) if _is_local(fs) else path
+    return fs, path.rstrip("/") or "/"
+
+
+def _is_local(fs) -> bool:
+    proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return proto in ("file", "local")
+
+
+def step_url(url: str, step: int) -> str:
+    """URL of the DCP directory of ``step`` under the persist root ``url``."""
+    return f"{str(url).rstrip('/')}/step-{int(step)}"
+
+
+def _step_dir(url: str, step: Optional[int]):
+    """``(fs, directory)``: ``url/step-<step>``, or ``url`` itself when ``step`` is None."""
+    fs, root = _fs(url)
+    return fs, root if step is None else posixpath.join(root, f"step-{int(step)}")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise StorageError(f"unknown dtype {name!r}")
+    return dt
+
+
+def checksum(t: torch.Tensor) -> str:
+    """xxh3-64 (``protocol.new_checksum``) of a contiguous CPU tensor's bytes, as hex."""
+    from ckptrun.protocol import new_checksum
+
+    h = new_checksum()
+    if t.numel():
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def _storage_info(relative_path: str, offset: int, length: int):
+    """DCP's per-item storage record: ``.metadata`` must hold ``_StorageInfo`` objects for
+    ``FileSystemReader`` to find a tensor; there is no public constructor (the one private use)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+def _writer(fs, path: str, threads: int):
+    """DCP writer: local ``FileSystemWriter`` (real fsync) or ``FsspecWriter`` without sync
+    (it would fall back to a machine-wide ``os.sync()``; an object store is durable on upload)."""
+    if _is_local(fs):
+        return FileSystemWriter(path, sync_files=True, thread_count=threads, overwrite=True)
+    # torch 2.13 does not re-export FsspecWriter; its module is its only home (dcp uses it too).
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(fs.unstrip_protocol(path), sync_files=False, thread_count=threads, overwrite=True)
+
+
+def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int = 0,
+                threads: int = 1, standalone: bool = False) -> PartInfo:
+    """Write one node's ranks (``{rank: (meta, tensors)}``) of ``step`` as DCP data files into
+    ``<url>/step-<step>/`` (``standalone``: into ``url`` itself, for exports).  Returns the
+    JSON-able part for :func:`finalize`; the step stays invisible until finalized.
+
+    Byte-identical tensors of ranks written here are stored once (:func:`shards.plan_chunks`)."""
+    t0 = time.monotonic()
+    fs, sdir = _step_dir(url, None if standalone else step)
+    try:  # DTensor shards go under one global key at their offsets
+        chunks, plan = shards.plan_chunks(snapshots, checksum, META_KEY)
+    except ValueError as e:
+        raise StorageError(str(e)) from e
+    _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # a rewrite never looks complete midway
+    planner, writer = shards.ChunkPlanner(chunks), _writer(fs, sdir, max(1, threads))
+    planner.set_up_planner(None, storage_meta=None, is_coordinator=True)
+    # use_collectives=False + rank=node gives this node's files their own "__<node>_" prefix.
+    writer.set_up_storage_writer(True, rank=int(node), use_collectives=False)
+    dcp_plan = planner.finish_plan(writer.prepare_local_plan(planner.create_local_plan()))
+    # xxh3 guards the bytes; torch.save's CRC32 pass is redundant (1.5x slower; load skips it).
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        results = writer.write_data(dcp_plan, planner).wait()
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    by_key = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in results}
+    ranks: Dict[str, Dict[str, Any]] = {str(r): {"meta": None, "tensors": []} for r in snapshots}
+    total = 0
+    for rank_s, entry, where in plan:
+        if isinstance(where, int):  # alias of an earlier entry: same bytes
+            src = plan[where][1]
+            entry.update({k: src[k] for k in ("file", "offset", "length")}, alias=src["key"])
+        elif where is None:
+            entry.update(file=None, offset=0, length=0)
+        else:
+            info = by_key[where]
+            entry.update(file=info.relative_path, offset=int(info.offset), length=int(info.length))
+            total += entry["length"]
+        path = entry["key"].partition("/")[2] if not entry.get("global_shape") else None
+        if path == META_KEY:
+            ranks[rank_s]["meta"] = entry
+        else:
+            ranks[rank_s]["tensors"].append(entry)
+    return {"node": int(node), "step": int(step), "ranks": ranks, "bytes": total,
+            "seconds": time.monotonic() - t0}
+
+
+def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int,
+             standalone: bool = False) -> Dict[str, Any]:
+    """Make ``step`` visible: DCP's ``.metadata``, then ``ckptrun.json`` (returned) last.
+    ``parts`` (every node's :func:`write_parts`) must cover ranks ``0..world_size-1`` once."""
+    import ckptrun
+
+    ranks: Dict[str, Any] = {}
+    for part in parts:
+        if int(part["step"]) != int(step):
+            raise StorageError(f"part of node {part['node']} is for step {part['step']}, not {step}")
+        for r, entry in part["ranks"].items():
+            if r in ranks:
+                raise StorageError(f"rank {r} of step {step} written by two nodes")
+            ranks[r] = entry
+    missing = sorted(set(range(world_size)) - {int(r) for r in ranks})
+    if missing:
+        raise StorageError(f"step {step}: no data for ranks {missing}")
+    metadata, results, files = shards.dcp_metadata(ranks, _dtype, _storage_info)
+    fs, sdir = _step_dir(url, None if standalone else step)
+    writer = _writer(fs, sdir, 1)
+    writer.set_up_storage_writer(True)  # collective layout: one global ".metadata"
+    writer.finish(metadata, [results])
+    index = {
+        "format": FORMAT, "step": int(step), "world_size": int(world_size), "time": time.time(),
+        "ckptrun_version": ckptrun.__version__, "torch_version": torch.__version__,
+        "bytes": sum(files.values()), "nodes": len(parts),
+        "write_seconds": max((float(p.get("seconds", 0.0)) for p in parts), default=0.0),
+        "files": files, "ranks": ranks,
+    }
+    _put_atomic(fs, posixpath.join(sdir, INDEX_NAME), json.dumps(index).encode())
+    return index
+
+
+def write_step(url: str, step: int, snapshots: Dict[int, Snapshot], world_size: int,
+               threads: int = 1, standalone: bool = False) -> Dict[str, Any]:
+    """Single-node persist of all ranks of ``step``; returns ``{bytes, seconds, url}``."""
+    t0 = time.monotonic()
+    part = write_parts(url, step, snapshots, node=0, threads=threads, standalone=standalone)
+    index = finalize(url, step, [part], world_size, standalone=standalone)
+    return {"bytes": index["bytes"], "seconds": time.monotonic() - t0,
+            "url": str(url) if standalone else step_url(url, step)}
+
+
+def _put_atomic(fs, path: str, data: bytes) -> None:
+    """Local: tmp + fsync + rename.  Object stores: a single PUT is already atomic."""
+    if not _is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename itself must survive a power loss
+    finally:
+        os.close(dfd)
+
+
+def _rm_quiet(fs, path: str) -> None:
+    with contextlib.suppress(OSError):  # FileNotFoundError included
+        fs.rm(path)
+
+
+def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
+    """``ckptrun.json`` of ``step``, ``None`` if missing/incomplete (``step=None``: ``url`` is the
+    step directory itself, any step accepted)."""
+    fs, sdir = _step_dir(url, step)
+    path = posixpath.join(sdir, INDEX_NAME)
+    try:
+        index = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError):
+        return None
+    except OSError as e:
+        raise StorageError(f"cannot read {path}: {_one_line(e)}") from e
+    ok = isinstance(index, dict) and index.get("format") == FORMAT \
+        and (step is None or index.get("step") == step)
+    return index if ok else None
+
+
+def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
+              world_size: Optional[int] = None) -> Snapshot:
+    """One rank's ``(meta, tensors)``, checksums verified (``step=None``: ``url`` is the step dir).
+    Another ``world_size`` than the saved one reshards DTensor shards (:mod:`ckptrun.snapshot.shards`);
+    the rest (RNG, plain data) comes from saved rank ``rank % saved world size``."""
+    index = read_index(url, step)
+    if index is None:
+        raise StorageError(f"step {step} is not a complete checkpoint in {url}")
+    saved = int(index["world_size"])
+    reshard = world_size is not None and int(world_size) != saved
+    src = rank % saved if reshard else rank
+    entry = index["ranks"].get(str(src))
+    if entry is None:
+        raise StorageError(f"step {step} in {url} has no rank {rank} (world size {saved})")
+    fs, sdir = _step_dir(url, step)
+    plain = [e for e in entry["tensors"] if not (reshard and "global_shape" in e)]
+    loaded = iter(_read_entries(fs, sdir, [entry["meta"], *plain], verify))
+    meta = json.loads(bytes(next(loaded).numpy()))
+    if not reshard:
+        return meta, list(loaded)
+    everyone = [e for r in index["ranks"].values() for e in r["tensors"] if "global_shape" in e]
+    try:
+        return meta, shards.reshard(meta, entry["tensors"], everyone, loaded, rank, int(world_size),
+                                    lambda x: _read_entries(fs, sdir, [x], verify)[0])
+    except ValueError as err:
+        raise StorageError(str(err)) from err
+
+
+def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) -> List[torch.Tensor]:
+    out: List[Optional[torch.Tensor]] = [None] * len(entries)
+    by_file: Dict[str, List[int]] = {}
+    for i, e in enumerate(entries):
+        if e["file"] is None:  # an empty shard: nothing was stored
+            out[i] = torch.empty(e["shape"], dtype=_dtype(e["dtype"]))
+            continue
+        by_file.setdefault(e["file"], []).append(i)
+    for name, idxs in by_file.items():
+        idxs.sort(key=lambda i: entries[i]["offset"])  # sequential reads hit the read-ahead cache
+        path = posixpath.join(sdir, name)
+        try:
+            with fs.open(path, "rb") as f:
+                for i in idxs:
+                    e = entries[i]
+                    f.seek(e["offset"])
+                    buf = f.read(e["length"])
+                    if len(buf) != e["length"]:
+                        raise StorageError(f"{path}: truncated at {e['key']}")
+                    try:
+                        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+                    except (RuntimeError, ValueError, EOFError) as err:  # torn or foreign bytes
+                        raise StorageError(f"{path}: corrupt entry {e['key']}: {_one_line(err)}") from err
+                    if (not isinstance(t, torch.Tensor) or list(t.shape) != e["shape"]
+                            or t.dtype != _dtype(e["dtype"])):
+                        raise StorageError(f"{path}: {e['key']} does not match the index")
+                    if verify and checksum(t) != e["checksum"]:
+                        raise StorageError(f"{path}: checksum mismatch for {e['key']}")
+                    out[i] = t
+        except OSError as e:
+            raise StorageError(f"cannot read {path}: {_one_line(e)}") from e
+    return out  # type: ignore[return-value]
+
+
+def list_steps(url: str) -> List[Dict[str, Any]]:
+    """Complete persisted steps, oldest first: ``{step, url, bytes, time, world_size}``."""
+    steps = []
+    for s in _step_dirs(url):
+        index = read_index(url, s)
+        if index is not None:
+            steps.append({"step": index["step"], "url": step_url(url, index["step"]),
+                          "bytes": index["bytes"], "time": index["time"],
+                          "world_size": index["world_size"]})
+    return sorted(steps, key=lambda s: s["step"])
+
+
+def _step_dirs(url: str) -> List[int]:
+    fs, root = _fs(url)  # all step-<N> directories, complete or not
+    try:
+        names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StorageError(f"cannot list {url}: {_one_line(e)}") from e
+    return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
+
+
+def newest_step(url: str) -> Optional[int]:
+    """Newest complete persisted step under ``url``, or ``None``."""
+    return max((s["step"] for s in list_steps(url)), default=None)
+
+
+def prune(url: str, keep: int) -> List[int]:
+    """Delete all but the ``keep`` newest complete steps (``keep <= 0``: keep all); returns them.
+    Incomplete step dirs older than the newest complete one are debris of an interrupted
+    persist and go too; newer ones may be in flight and stay."""
+    fs, root = _fs(url)
+    complete = [s["step"] for s in list_steps(url)]
+    if not complete:
+        return []
+    doomed = set(complete[:-keep] if keep > 0 else [])
+    doomed |= {s for s in _step_dirs(url) if s < complete[-1] and s not in complete}
+    for s in sorted(doomed):
+        sdir = posixpath.join(root, f"step-{s}")
+        _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # invisible first, then gone
+        fs.rm(sdir, recursive=True)
+    return sorted(doomed)
+
+
+def check_writable(url: str, timeout: float = 30.0) -> None:
+    """Raise :class:`StorageError` (one line) unless ``url`` accepts and deletes a probe file."""
+    error: List[BaseException] = []
+
+    def probe() -> None:
+        try:
+            fs, root = _fs(url)
+            fs.makedirs(root, exist_ok=True)
+            path = posixpath.join(root, f".ckptrun-probe-{uuid.uuid4().hex[:12]}")
+            fs.pipe_file(path, b"ckptrun")
+            fs.rm(path)
+        except BaseException as e:  # noqa: B036 -- reported to the caller below
+            error.append(e)
+
+    t = threading.Thread(target=probe, name="ckptrun-storage-probe", daemon=True)
+    t.start()
+    t.join(timeout)  # an unreachable endpoint may retry for minutes: don't wait for it
+    if t.is_alive():
+        raise StorageError(f"persist target {url} did not answer within {timeout:.0f}s")
+    if error:
+        msg = str(error[0]) if isinstance(error[0], StorageError) else _one_line(error[0])
+        raise StorageError(f"persist target {url} is not writable: {msg}")
+
+
+def resolve(url: str) -> Tuple[str, int]:
+    """``(step dir URL, step)`` for a step dir/export or a persist root (its newest step);
+    read it with ``read_rank(dir_url, None, rank)``."""
+    base = str(url).rstrip("/")
+    index = read_index(base, None)
+    if index is not None:
+        return base, int(index["step"])
+    step = newest_step(base)
+    if step is None:
+        raise StorageError(f"{url} holds no complete ckptrun checkpoint")
+    return step_url(base, step), step
+
+
+def is_checkpoint(url: str) -> bool:
+    """True if ``url`` is a complete step directory or a root holding one."""
+    with contextlib.suppress(StorageError):
+        return bool(resolve(url))
+    return False
+
+
+def load_torch_state(url: str, step: Optional[int], rank: int) -> Any:
+    """A rank's nested state (``snapshot.unflatten``); may hold numpy/plain data (RNG states)."""
+    from ckptrun.snapshot import unflatten
+
+    meta, tensors = read_rank(url, step, rank)
+    return unflatten(meta["tree"], tensors)

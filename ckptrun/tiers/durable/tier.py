@@ -1,0 +1,157 @@
+"""The durable tier as the agent sees it: background persistence and restore from storage.
+
+One of the agent's tiers (:class:`~ckptrun.tiers.interface.Tier`).  It
+
+* runs a :class:`~ckptrun.tiers.durable.persister.Persister` that copies the newest step every local rank
+  committed to ``--persist-to`` every ``--persist-every`` steps or seconds, and the final step
+  of a successful job;
+* materialises a durable step into the local ranks' slot files when no memory copy exists:
+  the job's own newest durable step (a restart of the whole job with the same ``--run-dir``,
+  or every memory copy failed its checksum), or ``--resume-from`` at the first start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Optional, Tuple
+
+from ckptrun.tiers.durable import storage
+from ckptrun.tiers.durable.persister import Persister
+from ckptrun.tiers.durable.rounds import PersistRounds
+from ckptrun.tiers.interface import Tier, TierContext
+
+log = logging.getLogger(__name__)
+
+
+class DurableTier(Tier):
+    """Persistence and storage restore for one agent (single-node jobs persist everything;
+    on several nodes each agent still restores its own ranks from storage)."""
+
+    name = "storage"
+
+    def __init__(self, ctx: TierContext) -> None:
+        cfg = ctx.cfg
+        self.url = cfg.persist_to
+        self.resume_from = cfg.resume_from
+        self.memory = ctx.memory
+        self.ranks: List[int] = ctx.ranks
+        self.world_size = ctx.world_size
+        self.restored_from_storage: Optional[int] = None
+        self._where: Dict[int, Tuple[str, Optional[int]]] = {}  # offered step -> (url, step)
+        # reads pin the slot they copy, so the worker writes its next snapshots elsewhere
+        self.memory.attach_control(ctx.control, self.ranks)
+        # A durable step needs every rank.  One machine writes it alone; on several, node 0
+        # leads persist rounds in the store and every node writes its own ranks' part.
+        self.persister: Optional[Persister] = None
+        self.rounds: Optional[PersistRounds] = None
+        reader, write = self._read, None
+        if ctx.nnodes > 1:
+            self.rounds = PersistRounds(ctx.store, ctx.node, ctx.nnodes, self.ranks,
+                                        self.memory, ctx.emit, self.url)
+            reader, write = self.rounds.read, self.rounds.write
+        if ctx.node == 0:
+            self.persister = Persister(
+                self.url, reader=reader, write=write, world_size=self.world_size,
+                every_steps=cfg.persist_every_steps,
+                every_seconds=None if cfg.persist_every_steps else cfg.persist_every_seconds,
+                keep=cfg.keep, emit=ctx.emit, start_step=self._newest_durable() or 0)
+
+    # -- the tier interface ----------------------------------------------------------------
+    def offers(self, ranks: List[int], attempt: int, max_step: Optional[int]) -> List[int]:
+        """The durable steps (at most ``max_step``): ``--resume-from`` at the first start,
+        else the job's own ``--persist-to`` (the same command run again resumes there)."""
+        self._where = dict(self._candidates(attempt, max_step))
+        return sorted(self._where)
+
+    def materialise(self, ranks: List[int], attempt: int, step: int) -> Optional[str]:
+        """Read ``step`` of every rank in ``ranks`` from storage into its slots."""
+        url, at = self._where.get(step, (self.url, step))
+        t0 = time.monotonic()
+        try:
+            # another world size than the saved one reshards sharded (DTensor) state
+            snaps: Dict[int, tuple] = {
+                r: storage.read_rank(url, at, r, world_size=self.world_size) for r in ranks}
+        except (storage.StorageError, OSError, KeyError, ValueError) as e:
+            # a corrupt or partial durable copy is skipped, never loaded
+            log.warning("durable step %s at %s unusable: %s", step, url, e)
+            return None
+        for r, (meta, tensors) in snaps.items():
+            self.memory.write(r, meta, tensors, step)
+        log.info("materialised step %s from %s in %.3fs", step, url, time.monotonic() - t0)
+        self.restored_from_storage = step
+        return "storage"
+
+    def attempt_started(self, attempt: int) -> None:
+        if self.persister is not None:
+            self.persister.start()
+        elif self.rounds is not None:
+            self.rounds.start_follower()
+
+    def tick(self) -> None:
+        if self.persister is not None:
+            self.persister.notify(0)
+
+    def finished(self, exit_code: int) -> None:
+        """Persist the final step of a successful job (every node takes part)."""
+        if self.persister is None:  # a follower: answer the leader's final round
+            if self.rounds is not None:
+                (self.rounds.finish_follower if exit_code == 0 else self.rounds.stop)()
+            return
+        step = self.memory.common_step(self.ranks) if exit_code == 0 else None
+        if self.rounds is not None:
+            self.rounds.job_done(step)  # a round waiting for a step gives up first
+        try:
+            if step:
+                self.persister.final(step)
+        finally:
+            if self.rounds is not None:
+                self.rounds.close_leader()
+            self.persister.stop()
+
+    def close(self) -> None:
+        """Membership changed (a machine lost): stop persisting without a final step; what
+        is in storage and in memory stays.  The agent re-creates the tier afterwards."""
+        if self.rounds is not None:
+            self.rounds.stop()
+        if self.persister is not None:
+            self.persister.stop()
+
+    def status(self) -> dict:
+        if self.persister is None:
+            return {"persisted_step": self._newest_durable(), "persisted_url": self.url}
+        st = self.persister.status()
+        return {"persisted_step": st["persisted_step"] if st["persisted_step"] is not None
+                else self._newest_durable(),
+                "persisted_url": st["persisted_url"] or self.url,
+                "persist_error": st["last_error"]}
+
+    # -- internals -----------------------------------------------------------------------
+    def _read(self, min_step: int):
+        return self.memory.read_common(min_step, self.ranks)
+
+    def _newest_durable(self) -> Optional[int]:
+        try:
+            return storage.newest_step(self.url)
+        except (storage.StorageError, OSError):
+            return None
+
+    def _candidates(self, attempt: int, max_step: Optional[int]):
+        """(step, (url, step in url)) pairs; step in url None: ``url`` is a step directory."""
+        if attempt == 0 and self.resume_from:
+            try:
+                url, step = storage.resolve(self.resume_from)
+            except storage.StorageError as e:
+                log.warning("--resume-from %s: %s", self.resume_from, e)
+            else:
+                if max_step is None or step <= max_step:
+                    yield step, (url, None)
+                return
+        try:
+            steps = [s["step"] for s in storage.list_steps(self.url)]
+        except (storage.StorageError, OSError) as e:
+            log.warning("cannot list durable steps at %s: %s", self.url, e)
+            return
+        for step in steps:
+            if max_step is None or step <= max_step:
+                yield step, (self.url, step)

@@ -1,0 +1,216 @@
+"""The replica server an agent runs, and the client operations other agents call on it.
+
+``ReplicaServer`` accepts authenticated connections (see ``ckptrun.tiers.peer.wire``) and serves three
+operations: ``put`` (store a peer's snapshot in this agent's :class:`PeerStore`), ``fetch``
+(stream a held copy back, for a replacement machine) and ``list`` (which ranks and steps are
+held).  One operation per connection keeps the server stateless.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ckptrun import protocol as P
+from ckptrun.tiers.peer.copies import MapCache, PeerStore, done_with_map
+from ckptrun.tiers.peer.wire import (
+    AuthError,
+    connect,
+    lower_thread_priority,
+    receive_slot,
+    recv_frame,
+    send_frame,
+    send_stream,
+    server_handshake,
+    slot_regions,
+    tune_socket,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaServer:
+    """Listens on ``host`` (the address the node uses for the rendezvous) for peer agents."""
+
+    def __init__(self, host: str, secret: bytes, store: PeerStore,
+                 on_refused: Optional[Callable[[str], None]] = None,
+                 on_received: Optional[Callable[[int, int, int, float], None]] = None,
+                 local_copy: Optional[Callable[[int, int], Optional[str]]] = None,
+                 put_nice: int = 0):
+        self.store = store
+        self._put_nice = put_nice  # niceness of the threads receiving pushes (0: unchanged)
+        self._local_copy = local_copy  # (rank, step) -> path of this node's own slot, if any
+        self._secret = secret
+        self._on_refused = on_refused
+        self._on_received = on_received
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(16)
+        self.address: Tuple[str, int] = self._sock.getsockname()[:2]
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="ckptrun-replica-server",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listening; the store's cached mappings are unmapped (its files stay)."""
+        self._stopped.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=5)
+        self.store.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name="ckptrun-replica-conn").start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        conn.settimeout(30.0)
+        tune_socket(conn)
+        try:
+            node = server_handshake(conn, self._secret)
+        except (AuthError, ConnectionError, ValueError, OSError) as e:
+            log.warning("refused replica connection from %s: %s", peer, e)
+            if self._on_refused:
+                self._on_refused(f"{peer[0]}:{peer[1]}")
+            conn.close()
+            return
+        try:
+            req = recv_frame(conn)
+            op = req.get("op")
+            if op == "put":
+                lower_thread_priority(self._put_nice)  # this connection's thread only
+                self._put(conn, node, req)
+            elif op == "fetch":
+                self._fetch(conn, req)
+            elif op == "list":
+                inv = self.store.inventory()
+                send_frame(conn, {"ok": True, "inventory": {str(r): s for r, s in inv.items()}})
+            else:
+                send_frame(conn, {"ok": False, "error": f"unknown op {op!r}"})
+        except (ConnectionError, OSError, ValueError, KeyError) as e:
+            log.warning("replica connection from %s broke: %s", node, e)
+        finally:
+            conn.close()
+
+    def _put(self, conn: socket.socket, node: str, req: dict) -> None:
+        rank = int(req["rank"])
+        path = self.store.incoming_path(rank)
+        if path is None:  # a transfer of this rank is already in flight: the sender retries later
+            send_frame(conn, {"ok": False, "error": "busy"})
+            return
+        try:
+            send_frame(conn, {"ok": True})
+            t0 = time.monotonic()
+            ok = receive_slot(conn, path, req, self.store.maps)
+        finally:
+            self.store.done(rank)  # before the reply: the sender's next push is not "busy"
+        send_frame(conn, {"ok": ok})
+        if ok and self._on_received:
+            self._on_received(rank, int(req["step"]), int(req["meta_len"]) + int(req["data_len"]),
+                              time.monotonic() - t0)
+
+    def _fetch(self, conn: socket.socket, req: dict) -> None:
+        """Serve a held copy of ``rank`` (newest, or exactly ``step``): a peer copy, else this
+        node's own slot of that rank (a rank that moved to another machine)."""
+        rank, step = int(req["rank"]), req.get("step")
+        copies = self.store.copies(rank)
+        path = copies.get(int(step)) if step is not None else (
+            copies[max(copies)] if copies else None)
+        if path is None and step is not None and self._local_copy is not None:
+            path = self._local_copy(rank, int(step))
+        if path is None:
+            send_frame(conn, {"ok": False, "error": "not held"})
+            return
+        _stream_slot_file(conn, path, rank)
+
+
+def _stream_slot_file(conn: socket.socket, path: str, rank: int,
+                      rate_bps: Optional[float] = None, op: Optional[str] = None,
+                      maps: Optional[MapCache] = None) -> Optional[Tuple[int, int]]:
+    """Announce and stream the committed slot at ``path``; returns (step, bytes sent) or None.
+
+    With ``maps`` the file's mapping is kept for the next send (mapping and populating a
+    large file costs more than a third of sending it over loopback).  ``sendall`` from the
+    mapping beat ``sendfile`` here: loopback TCP gains nothing from zero-copy pages."""
+    # populate: one mapping call instead of a page fault per 4 KiB inside the socket copy
+    mm = maps.open(path) if maps is not None else P.open_shm_file(path, populate=True,
+                                                                   write=False)
+    regions: list = []
+    try:
+        h, regions = slot_regions(mm)
+        if h.state != P.SlotState.COMMITTED or h.data_offset + h.data_len > len(mm):
+            send_frame(conn, {"ok": False, "error": "not committed"})
+            return None
+        announce = {"ok": True, "rank": rank, "step": h.step, "meta_len": h.meta_len,
+                    "data_len": h.data_len, "checksum": h.checksum, "world_size": h.world_size}
+        if op:
+            announce["op"] = op
+        send_frame(conn, announce)
+        if op and not recv_frame(conn).get("ok"):
+            return None
+
+        def unchanged() -> bool:
+            now = P.SlotHeader.unpack_from(mm)
+            return (now.state, now.step, now.seq) == (h.state, h.step, h.seq)
+
+        return h.step, send_stream(conn, regions, rate_bps, unchanged)
+    finally:
+        for r in regions:  # early returns too: exported views would keep mm from closing
+            r.release()
+        done_with_map(path, mm, maps, False)
+
+
+def push(addr: Tuple[str, int], secret: bytes, node: str, rank: int, src_path: str,
+         rate_bps: Optional[float] = None, maps: Optional[MapCache] = None) -> Optional[dict]:
+    """Send the committed snapshot in ``src_path`` (rank ``rank``) to the agent at ``addr``.
+
+    Returns ``{"step", "bytes", "seconds"}`` once the receiver verified and committed it, or
+    None when there was nothing committed to send, the receiver was busy with another
+    transfer of this rank, or the copy failed verification.  Connection problems raise
+    ``OSError``/``ConnectionError``.  ``maps``: keep the source's mapping for the next push.
+    """
+    t0 = time.monotonic()
+    with connect(addr, secret, node) as sock:
+        sock.settimeout(60.0)
+        got = _stream_slot_file(sock, src_path, rank, rate_bps, op="put", maps=maps)
+        if got is None or not recv_frame(sock).get("ok"):
+            return None
+    return {"step": got[0], "bytes": got[1], "seconds": time.monotonic() - t0}
+
+
+def fetch(addr: Tuple[str, int], secret: bytes, node: str, rank: int, dst_path: str,
+          step: Optional[int] = None) -> Optional[int]:
+    """Pull the copy of ``rank`` held at ``addr`` into slot file ``dst_path``; returns its step."""
+    with connect(addr, secret, node) as sock:
+        sock.settimeout(60.0)
+        send_frame(sock, {"op": "fetch", "rank": rank, "step": step})
+        info = recv_frame(sock)
+        if not info.get("ok"):
+            return None
+        return int(info["step"]) if receive_slot(sock, dst_path, info) else None
+
+
+def holdings(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, int]:
+    """{rank: newest step} of the copies the agent at ``addr`` holds."""
+    return {r: max(steps) for r, steps in inventory(addr, secret, node).items()}
+
+
+def inventory(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, List[int]]:
+    """{rank: [steps]} of every committed copy the agent at ``addr`` holds."""
+    with connect(addr, secret, node) as sock:
+        send_frame(sock, {"op": "list"})
+        reply = recv_frame(sock)
+    return {int(r): [int(s) for s in steps] for r, steps in reply.get("inventory", {}).items()}
