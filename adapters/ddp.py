@@ -11,16 +11,32 @@ writes byte for byte and keeps one copy of each identical tensor (per-rank RNG a
 state differ, so they stay per rank); both DCP keys point at the same bytes.  Memory slots
 stay per rank: a rank's restore must never depend on another rank's process.
 
-:func:`make_exact` keeps a resumed DDP run *bitwise* equal to an uninterrupted one at any
-world size (see its docstring); ckptrun does not need it to restore.
+**Exact resume with DDP's own bucketing.**  DDP all-reduces gradients in buckets, and a
+process's first iteration uses another layout than the rest: one bucket holding every
+parameter in registration order (torch >= 2.x), regrouped after it into ~25 MiB buckets in
+the order the gradients became ready.  With three or more ranks the float sum of an element
+depends on where it sits in the bucket it is reduced in, so the first iteration after a
+restore -- a new process -- summed differently from the uninterrupted run.  The adapter
+records the layout DDP settled on (:class:`BucketLayouts`, a small entry of every snapshot)
+and, in a process that restores one, reduces its first iteration's gradients in exactly those
+buckets (:class:`FirstIterationAsSettled`, a comm hook); from the second iteration on DDP's
+own regrouping gives the same layout again.  A fresh process runs plain DDP: nothing is added
+to a job that never fails.  A DDP that has a comm hook of its own is left alone.
+:func:`make_exact` (one all-reduce per parameter) is still there for scripts that use it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import gc
+import logging
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+LAYOUT_KEY = "__ckptrun_ddp_buckets__"  # the snapshot entry of BucketLayouts
 
 
 def unwrap(module: Any) -> Any:
@@ -37,15 +53,211 @@ def unwrap(module: Any) -> Any:
 
 
 def adapt(state: Dict[str, Any], cache: Dict[Any, Any]) -> Dict[str, Any]:
-    """``state`` with DDP/compiled wrappers replaced by their inner modules (top level)."""
-    out = None
+    """``state`` with DDP/compiled wrappers replaced by their inner modules (top level), and
+    in a distributed job one more entry (:data:`LAYOUT_KEY`): the bucket layouts of the
+    DDP modules that wrap the state's models (:class:`BucketLayouts`)."""
+    out, modules = None, {}
     for k, v in state.items():
         if isinstance(v, torch.nn.Module):
+            modules[k] = v
             inner = unwrap(v)
             if inner is not v:
                 out = dict(state) if out is None else out
                 out[k] = inner
+    if modules and LAYOUT_KEY not in state and _distributed():
+        layouts = cache.get(BucketLayouts)
+        if layouts is None or layouts.modules != modules:
+            layouts = cache[BucketLayouts] = BucketLayouts(modules)
+        out = dict(state) if out is None else out
+        out[LAYOUT_KEY] = layouts
     return state if out is None else out
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _find_ddp(module: Any) -> Optional[torch.nn.parallel.DistributedDataParallel]:
+    """``module`` itself if it is a DDP wrapper (or a compiled one), else None."""
+    for _ in range(8):
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            return module
+        if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return None
+    return None
+
+
+def reducer_params(ddp: torch.nn.parallel.DistributedDataParallel) -> List[torch.Tensor]:
+    """The parameters DDP reduces, in the order its bucket indices count them (the module's
+    parameters that require a gradient and are not ignored, shared ones once)."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    seen, out = set(), []
+    for name, module in ddp.module.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            if p.requires_grad and full not in ignored and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def settled_layout(ddp: torch.nn.parallel.DistributedDataParallel,
+                   nparams: int) -> Optional[List[List[int]]]:
+    """The buckets DDP regrouped its parameters into after its first iteration (parameter
+    indices, in reduction order); None until it has (DDP's own logging data says so)."""
+    try:
+        data = ddp._get_ddp_logging_data()
+    except Exception:  # noqa: BLE001  (no logging data on this torch: no layout)
+        return None
+    if not data.get("has_rebuilt_buckets") or "rebuilt_per_bucket_param_indices" not in data:
+        return None
+    try:
+        buckets = [[int(i) for i in b.split()] for b in
+                   str(data["rebuilt_per_bucket_param_indices"]).split(",")]
+    except ValueError:
+        return None
+    flat = sorted(i for b in buckets for i in b)
+    return buckets if flat == list(range(nparams)) else None  # not our index space: unusable
+
+
+class BucketLayouts:
+    """A snapshot entry: the bucket layout each DDP module of the state settled on; restoring
+    one arms :class:`FirstIterationAsSettled` on the restored process's DDP.
+
+    The state may name the DDP wrapper or the model inside it (``Checkpointer({"model":
+    ddp.module})``, as most scripts do); the wrappers of the latter are found once per
+    process, among the live objects, at the first save or restore."""
+
+    def __init__(self, modules: Dict[str, torch.nn.Module]) -> None:
+        self.modules = modules
+        self._ddps: Optional[Dict[str, torch.nn.parallel.DistributedDataParallel]] = None
+        self._known: Dict[str, List[List[int]]] = {}
+
+    def ddps(self) -> Dict[str, torch.nn.parallel.DistributedDataParallel]:
+        """{state key: the DDP module that trains it}."""
+        if self._ddps is None:
+            found = {k: _find_ddp(m) for k, m in self.modules.items()}
+            inner = {k: unwrap(m) for k, m in self.modules.items() if found[k] is None}
+            if inner:  # one scan of the heap per process (tens of ms), not per save
+                for obj in gc.get_objects():
+                    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                        wrapped = unwrap(obj)
+                        for k, m in inner.items():
+                            if wrapped is m and found[k] is None:
+                                found[k] = obj
+            self._ddps = {k: d for k, d in found.items() if d is not None}
+        return self._ddps
+
+    def state_dict(self) -> Dict[str, Any]:
+        ddps = self.ddps()
+        for key, ddp in ddps.items():
+            if key not in self._known:  # read until DDP has settled: then it is for good
+                got = settled_layout(ddp, len(reducer_params(ddp)))
+                if got is not None:
+                    self._known[key] = got
+        return {"buckets": {k: self._known.get(k) for k in ddps}}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        ddps = self.ddps()
+        for key, layout in (sd.get("buckets") or {}).items():
+            if key in ddps and layout:
+                self._known[key] = [[int(i) for i in b] for b in layout]
+                FirstIterationAsSettled.arm(ddps[key], self._known[key])
+
+
+def _first_iteration_hook(state, bucket):  # type: ignore[no-untyped-def]  (see below)
+    return state.reduce(bucket)
+
+
+class FirstIterationAsSettled:
+    """A comm hook for a restored process: its first iteration reduces the gradients in the
+    buckets DDP settled on in the process that took the snapshot; every later one exactly as
+    DDP's built-in reduction does (scale by 1/world size, all-reduce the bucket)."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel,
+                 layout: List[List[int]]) -> None:
+        self.group = ddp.process_group
+        self.scale = 1.0 / dist.get_world_size(self.group)
+        self.index = {id(p): i for i, p in enumerate(reducer_params(ddp))}
+        self.layout = layout
+        self.first = True
+        self.emulated = 0  # buckets reduced in the settled layout (tests read it)
+        self.user: Optional[tuple] = None  # (state, hook) the script registered after us
+
+    @classmethod
+    def arm(cls, ddp: torch.nn.parallel.DistributedDataParallel,
+            layout: List[List[int]]) -> Optional[FirstIterationAsSettled]:
+        """Register on ``ddp`` unless it has a comm hook already (its own reduction rules)."""
+        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_ckptrun_exact", None):
+            return None
+        if sorted(i for b in layout for i in b) != list(range(len(reducer_params(ddp)))):
+            log.info("ckptrun: the saved DDP bucket layout does not fit this model")
+            return None
+        hook = cls(ddp, layout)
+        ddp.register_comm_hook(hook, _first_iteration_hook)
+        ddp._ckptrun_exact = hook
+
+        def register_comm_hook(state: Any, user_hook: Any) -> None:
+            """The script's own hook, registered after ours (DDP takes one): it reduces."""
+            hook.user = (state, user_hook)
+        ddp.register_comm_hook = register_comm_hook
+        return hook
+
+    def reduce(self, bucket: Any) -> torch.futures.Future:
+        if self.user is not None:
+            return self.user[1](self.user[0], bucket)
+        buf = bucket.buffer()
+        if self.first:
+            self.first = not bucket.is_last()
+            idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
+            pieces = self._settled_pieces(idx)
+            if pieces is not None:
+                return self._reduce_as(buf, bucket, idx, pieces)
+        buf.mul_(self.scale)  # DDP's own reduction multiplies by 1/world size, then sums
+        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        # the callback reads the result: one that does not drops its error (a dead peer's
+        # failed all-reduce would let this rank train on alone, on partial sums)
+        return fut.then(lambda done: (done.value(), buf)[1])
+
+    def _settled_pieces(self, idx: List[int]) -> Optional[List[List[int]]]:
+        """The settled buckets that make up this bucket exactly; None when this bucket is
+        one of them already (same order) or they cannot be cut from it."""
+        have = set(idx)
+        pieces = [b for b in self.layout if have.issuperset(b)]
+        if sum(len(b) for b in pieces) != len(idx):
+            log.info("ckptrun: DDP bucket %s is not a union of the settled buckets", idx)
+            return None
+        return None if pieces == [idx] else pieces
+
+    def _reduce_as(self, buf: torch.Tensor, bucket: Any, idx: List[int],
+                   pieces: List[List[int]]) -> torch.futures.Future:
+        where, off = {}, 0
+        for i, p in zip(idx, bucket.parameters()):
+            where[i] = (off, p.numel())
+            off += p.numel()
+        flats = [torch.cat([buf[where[i][0]:where[i][0] + where[i][1]] for i in piece])
+                 for piece in pieces]
+        for flat in flats:
+            flat.mul_(self.scale)
+        self.emulated += len(pieces)
+
+        def copy_back() -> torch.Tensor:
+            for piece, flat in zip(pieces, flats):
+                at = 0
+                for i in piece:
+                    o, n = where[i]
+                    buf[o:o + n].copy_(flat[at:at + n])
+                    at += n
+            return buf
+        works = [dist.all_reduce(flat, group=self.group, async_op=True) for flat in flats]
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            for f in fut.value():
+                f.value()  # raises if that all-reduce failed (see reduce)
+            return copy_back()
+        return torch.futures.collect_all([w.get_future() for w in works]).then(done)
 
 
 # no annotations: DDP rejects a hook whose annotations are not its own types, and under

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 # Imported in this order by ``python -m benchmarks``; later sections may use earlier rows.
 SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.replication",
                    "benchmarks.recovery", "benchmarks.machine_loss", "benchmarks.quoted",
-                   "benchmarks.overhead", "benchmarks.replication_overhead",
+                   "benchmarks.overhead", "benchmarks.replication_overhead", "benchmarks.ddp_exact",
                    "benchmarks.goodput"]
 
 Row = Dict[str, object]

@@ -21,16 +21,16 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from ckptrun.adapters.ddp import make_exact
 
 import ckptrun
 
 
-def build_model() -> nn.Module:
+def build_model(width: int = 512) -> nn.Module:
+    """Wide enough (1.1 MiB at 512) that DDP reduces it in more than one bucket."""
     torch.manual_seed(0)  # identical initial weights on every rank
     return nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(),
-        nn.Dropout(0.1), nn.Linear(64, 1),
+        nn.Linear(32, width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(width, width), nn.ReLU(),
+        nn.Dropout(0.1), nn.Linear(width, 1),
     )
 
 
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--raise-at", type=int, default=-1)
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
+    p.add_argument("--width", type=int, default=512, help="hidden width of the model")
     p.add_argument("--out", default="")
     p.add_argument("--ballast-mib", type=int, default=0,
                    help="extra state (MiB) so that each snapshot takes a while to copy")
@@ -72,11 +73,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
 
-    model = build_model()
+    model = build_model(args.width)
+    # plain DDP: ckptrun keeps a resumed run bitwise equal to an uninterrupted one at any
+    # world size (it gives a restored process the bucket layout DDP had settled on)
     ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
-    if distributed:
-        # bitwise equal to an uninterrupted run after a restore, at any world size
-        make_exact(ddp)
     optim = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=20, gamma=0.5)
     torch.manual_seed(1 + rank)  # per-rank dropout stream; captured in every snapshot

@@ -358,7 +358,9 @@ class Checkpointer:
         target = dict(view)
         S.load_into(target, restored)
         for k, v in target.items():  # plain entries are replaced in the script's own dict
-            if k not in view or view[k] is self.state.get(k, view[k]):
+            # (entries an adapter added to the view, e.g. DDP's bucket layouts, are not the
+            # script's: they stay out of its dict)
+            if k not in view or (k in self.state and view[k] is self.state[k]):
                 self.state[k] = v
         if rng is not None:
             S.restore_rng(rng)
