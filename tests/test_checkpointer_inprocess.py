@@ -224,3 +224,57 @@ def test_close_ends_the_background_threads():
     assert any(t.name.startswith("ckptrun-") for t in threading.enumerate())
     ck.close()
     assert [t.name for t in threading.enumerate() if t.name.startswith("ckptrun-")] == []
+
+
+def test_steps_start_at_one_and_are_integers():
+    """``save(0)`` would never be restored (``restore()`` returns 0 for "nothing"): refused
+    with a message saying how a loop counts, like any step that is not an int."""
+    ck = ckptrun.Checkpointer({"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"save\(0\): steps start at 1"):
+        ck.save(0)
+    for bad in (1.5, True, "3", None):
+        with pytest.raises(TypeError, match="step must be an int"):
+            ck.save(bad)
+    assert ck.save(1) and ck.restore() == 1
+    ck.close()
+
+
+def test_values_given_at_save_time_come_back_at_restore(capfd):
+    """What a loop rebinds or prefetches -- a number, the batch fetched ahead -- is given to
+    ``save()`` and read back with ``get()`` after the restore, the values of that step."""
+    w = torch.zeros(4)
+    ck = ckptrun.Checkpointer({"w": w})
+    assert ck.get("best", 9.0) == 9.0  # a fresh start: the default
+    x, y = torch.arange(6.0).view(2, 3), torch.tensor([1, 2])
+    best = 0.5
+    ck.save(1, best=best, batch=(x, y), note="first")
+    x += 100  # the live batch moves on; the snapshot holds the saved one
+    ck.save(2, best=0.25, batch=(x, y), note="second")
+    ck.wait()
+    w += 1
+    assert ck.restore() == 2
+    assert ck.get("best") == 0.25 and ck.get("note") == "second"
+    bx, by = ck.get("batch")
+    assert torch.equal(bx, torch.arange(6.0).view(2, 3) + 100) and torch.equal(by, y)
+    assert bx.data_ptr() != x.data_ptr()  # a private copy, not a view of a slot
+    assert torch.equal(w, torch.zeros(4))
+    assert "values" not in ck.state  # the script's dict is not touched
+    ck.close()
+    assert "warning" not in capfd.readouterr().err
+
+
+def test_a_registered_number_that_never_changes_is_named_once(capfd):
+    """A plain number in the state dict is the value it had when the Checkpointer was built;
+    a loop that rebinds the name leaves it behind.  Said once, with the fix; not said for a
+    number the loop updates in the dict."""
+    iter_num, lr = 0, 0.1
+    state = {"w": torch.zeros(2), "iter_num": iter_num, "lr": lr}
+    ck = ckptrun.Checkpointer(state)
+    for step in range(1, 7):
+        iter_num += 1  # rebinds the name: the Checkpointer's entry stays 0
+        state["lr"] = lr * step  # updated in the dict: live
+        ck.save(step)
+    ck.close()
+    err = capfd.readouterr().err
+    assert err.count("warning") == 1, err
+    assert "'iter_num'" in err and "ckpt.save(step, iter_num=iter_num)" in err

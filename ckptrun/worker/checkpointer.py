@@ -51,9 +51,11 @@ from ckptrun.worker.heartbeat import worker_link
 from ckptrun.worker.interval import SnapshotInterval
 from ckptrun.worker.saving import Copier, Layout
 from ckptrun.worker.slotset import ShmTooSmall, SlotSet
+from ckptrun.worker.stale import StaleNumbers
 from ckptrun.worker.standalone import StandalonePersister
 
 RNG_KEY = "rng"
+VALUES_KEY = "values"  # what the script gave to save(step, **values)
 
 
 class Checkpointer:
@@ -78,6 +80,10 @@ class Checkpointer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._rng_key = RNG_KEY if RNG_KEY not in state else "__ckptrun_rng__"
+        self._values_key = VALUES_KEY if VALUES_KEY not in state else "__ckptrun_values__"
+        #: the values of the last ``save(step, **values)``, or the restored ones
+        self.values: Dict[str, Any] = {}
+        self._stale = StaleNumbers(state)
         self._link = worker_link() if os.environ.get(ENV_CONTROL) else None
         if self._link is not None:
             num = int(os.environ.get(ENV_NUM_SLOTS, str(DEFAULT_NUM_SLOTS)))
@@ -112,13 +118,28 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ public API
 
-    def save(self, step: int) -> bool:
-        """Snapshot the state as ``step``; returns False when the save was skipped (no
-        free slot, or not a step of the snapshot interval; it is a heartbeat all the same).
+    def save(self, step: int, **values: Any) -> bool:
+        """Snapshot the state as ``step``: the state after ``step`` steps of training, an
+        integer >= 1 (``restore()`` returns it; 0 means "nothing restored").  Returns False
+        when the save was skipped (no free slot, or not a step of the snapshot interval; it
+        is a heartbeat all the same).
+
+        ``values``: what the loop rebinds or prefetches and the next step uses -- numbers
+        (``best_val_loss=best``), the batch fetched ahead (``batch=(X, Y)``), any state value
+        -- snapshotted with this step; after a restore they are in :attr:`values` (and
+        :meth:`get`).  Give them at every save: each snapshot holds the values given to it.
 
         Returns as soon as the synchronous part is copied; parameters and optimizer state
         may still be copying (the next ``optimizer.step()`` waits for them).
         """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"ckptrun: save(step): step must be an int, got {step!r}")
+        if step < 1:
+            raise ValueError(f"ckptrun: save({step}): steps start at 1 -- save(n) records the "
+                             "state after n steps, and restore() returns 0 for 'nothing "
+                             "restored'; in a loop over range(start, total) call "
+                             "save(step + 1)")
+        self.values = values
         iv = self._interval
         due = iv.due(step)
         self._last_step = step
@@ -130,7 +151,13 @@ class Checkpointer:
             self._set_phase(Phase.RUNNING, step)
             return False
         self._last_snap = step
+        self._stale.saved(step)
         return self._snapshot(step)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A value given to ``save(step, name=...)``: after ``restore()``, the restored one;
+        ``default`` when there is none (a fresh start)."""
+        return self.values.get(name, default)
 
     @property
     def every(self) -> int:
@@ -259,12 +286,14 @@ class Checkpointer:
 
         return adapt_state(self.state, self._adapters)
 
-    def _full_state(self) -> Dict[str, Any]:
-        view = self._view()
-        if not self.capture_rng:
-            return view
-        full = dict(view)
-        full[self._rng_key] = S.capture_rng()
+    def _full_state(self, values: bool = True) -> Dict[str, Any]:
+        """The snapshotted tree: the adapted state, the RNG states and (``values``) what the
+        last ``save()`` was given."""
+        full = dict(self._view())
+        if self.capture_rng:
+            full[self._rng_key] = S.capture_rng()
+        if values and self.values:
+            full[self._values_key] = self.values
         return full
 
     def _finish(self, job: SlotWrite, k: int, deferred: Optional[CopyPlan], stream: Any) -> None:
@@ -334,7 +363,9 @@ class Checkpointer:
         # otherwise (e.g. optimizer state in a fresh process) take a private copy.
         # Numpy-backed entries are left out: their memory may be read-only (np.frombuffer);
         # load_into assigns those arrays itself.
-        fl = S.flatten_state(self._full_state())
+        # (not the values of the last save(): those are handed back as fresh objects, the
+        # script may still hold the ones it gave)
+        fl = S.flatten_state(self._full_state(values=False))
         live = {p: t for p, t in fl.items if p in fl.tensor_paths}
         tensors = []
         for d, v in zip(meta["tensors"], views):
@@ -351,6 +382,7 @@ class Checkpointer:
 
     def _load(self, meta: Dict[str, Any], tensors: List[torch.Tensor]) -> None:
         restored = S.unflatten(meta["tree"], tensors)
+        self.values = restored.pop(self._values_key, None) or {}
         rng = restored.pop(self._rng_key, None) if self.capture_rng else None
         if not self.capture_rng:
             restored.pop(self._rng_key, None)
