@@ -144,8 +144,16 @@ def _parse_namespace(parser: argparse.ArgumentParser, argv: List[str]) -> argpar
 
 def parse(argv: List[str]) -> AgentConfig:
     """Parse and validate a ``ckptrun`` command line (without the program name)."""
+    return parse_with(argv)[0]
+
+
+def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse.Namespace]:
+    """:func:`parse`, with more options added to the parser by ``add_options(parser)`` (a
+    subcommand's own, e.g. ``ckptrun check``'s); returns the namespace too."""
     trun = _torch_run()
     parser = build_parser()
+    if add_options is not None:
+        add_options(parser)
     if not argv:
         raise UsageError(_NO_SCRIPT)
     try:
@@ -203,7 +211,7 @@ def parse(argv: List[str]) -> AgentConfig:
     from ckptrun.cli.preflight import check_environment
 
     check_environment(cfg)
-    return cfg
+    return cfg, ns
 
 
 def _snapshot_every(text: Optional[str]) -> str:

@@ -21,7 +21,7 @@ import click
 
 from ckptrun import __version__
 
-SUBCOMMANDS = ("run", "status", "restore")
+SUBCOMMANDS = ("run", "status", "restore", "check")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -64,6 +64,8 @@ class _Group(click.Group):
             return status_command
         if name == "restore":
             return _restore_command()
+        if name == "check":
+            return check_command
         return None
 
 
@@ -95,6 +97,25 @@ def cli() -> None:
 def run_command(ctx: click.Context, argv: List[str]) -> None:
     """Launch and supervise SCRIPT like torchrun (see ckptrun --help for the options)."""
     ctx.exit(run_main(list(argv)))
+
+
+@click.command(
+    "check",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                      "allow_interspersed_args": False, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def check_command(ctx: click.Context, argv: List[str]) -> None:
+    """Prove that SCRIPT resumes exactly: a run without and one with a failure, compared."""
+    from ckptrun.cli.args import UsageError
+    from ckptrun.cli.check import check_main
+
+    try:
+        ctx.exit(check_main(list(argv)))
+    except UsageError as exc:
+        ctx.exit(usage_error(str(exc)))
 
 
 def main(argv: Optional[List[str]] = None) -> None:

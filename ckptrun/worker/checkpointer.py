@@ -46,6 +46,7 @@ from ckptrun.snapshot.slots import (
     verify_slot,
 )
 from ckptrun.worker import prefault
+from ckptrun.worker.check_probe import CheckProbe
 from ckptrun.worker.clean_exit import collect_at_exit
 from ckptrun.worker.heartbeat import worker_link
 from ckptrun.worker.interval import SnapshotInterval
@@ -84,6 +85,7 @@ class Checkpointer:
         #: the values of the last ``save(step, **values)``, or the restored ones
         self.values: Dict[str, Any] = {}
         self._stale = StaleNumbers(state)
+        self._check = CheckProbe.from_env(self.rank)  # under ``ckptrun check`` only
         self._link = worker_link() if os.environ.get(ENV_CONTROL) else None
         if self._link is not None:
             num = int(os.environ.get(ENV_NUM_SLOTS, str(DEFAULT_NUM_SLOTS)))
@@ -211,6 +213,11 @@ class Checkpointer:
         if self._persist is not None and self._persist.collective and self._persist.due(step):
             self.wait()  # a collective write: every rank is here at the same step
             self._persist.write(self._committed(k, step), step)
+        if self._check is not None:
+            self.wait()
+            got = self._committed(k, step)
+            if got is not None:
+                self._check.committed(step, *got)
         return True
 
     def restore(self) -> int:
