@@ -234,3 +234,37 @@ def test_kill_during_persist_leaves_no_visible_step(tmp_path):
     storage.write_step(str(root), 3, snapshots(3, 2), world_size=2)
     assert storage.prune(str(root), keep=5) == [2]  # the torn step is debris now
     assert sorted(os.listdir(root)) == ["step-1", "step-3"]
+
+
+class HistoryMemory(FakeMemory):
+    """Holds every committed step, as a reader that catches its target would see them."""
+
+    def read(self, min_step: int):
+        with self.lock:
+            if self.step < max(min_step, 1):
+                return None
+            return min_step, snapshots(min_step, self.world_size)
+
+
+def test_every_steps_asks_for_the_multiples_of_n(tmp_path):
+    """The reader is asked for 5, 10, 15, ... (not "5 steps after the last one"); a count
+    resumed from a final step that is not a multiple (37) goes on at the next one (40)."""
+    url = f"file://{tmp_path}/ck"
+    mem, ev = HistoryMemory(), Events()
+    p = Persister(url, reader=mem.read, world_size=2, every_steps=5, every_seconds=None,
+                  keep=10, emit=ev.emit, poll_s=0.02)
+    p.start()
+    for s in range(1, 18):
+        mem.commit(s)
+        p.notify(s)
+        time.sleep(0.03)
+    assert wait_for(lambda: [e["step"] for e in ev.of("persisted")] == [5, 10, 15])
+    p.stop()
+    ev2 = Events()
+    p = Persister(url, reader=mem.read, world_size=2, every_steps=20, every_seconds=None,
+                  keep=10, emit=ev2.emit, poll_s=0.02, start_step=37)
+    p.start()
+    mem.commit(45)
+    p.notify(45)
+    assert wait_for(lambda: [e["step"] for e in ev2.of("persisted")] == [40])
+    p.stop()

@@ -14,13 +14,17 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import os, sys, time
-from ckptrun.worker.heartbeat import heartbeat
+import torch, ckptrun
 stop = sys.argv[1]
-step = 0
+w = torch.zeros(16)
+ckpt = ckptrun.Checkpointer({"w": w})
+step = ckpt.restore()
 while not os.path.exists(stop):
     step += 1
-    heartbeat(step=step)
+    w += 1
+    ckpt.save(step)
     time.sleep(0.05)
+ckpt.close()
 """
 
 
@@ -61,10 +65,18 @@ def test_status_of_running_and_finished_job(tmp_path):
             assert {"rank", "local_rank", "node", "pid", "state", "step", "heartbeat_age_s"} <= set(w)
             assert isinstance(w["heartbeat_age_s"], (int, float)) and w["heartbeat_age_s"] < 30
         assert st["agent_pid"] == job.pid or st["agent_pid"] > 0
+        assert (st["checkpoint"]["memory_step"] or 0) > 0 and any(st["slots"].values()), st
         stop.write_text("")
         assert job.wait(timeout=120) == 0, job.stdout.read()
         st = _status(run_dir)
         assert st["state"] == "succeeded" and st["restarts"] == 0
+        # the agent unlinked its memory on exit: a finished job shows none
+        assert st["checkpoint"]["memory_step"] is None and st["slots"] == {}, st
+        # --watch into a pipe prints the table (and stops: the job is over)
+        shown = subprocess.run(f"{sys.executable} -m ckptrun status --watch --run-dir "
+                               f"{run_dir} | cat", shell=True, capture_output=True, text=True,
+                               timeout=60, env=_env())
+        assert shown.returncode == 0 and "succeeded" in shown.stdout, shown
     finally:
         if job.poll() is None:
             job.kill()

@@ -115,6 +115,12 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
         at = f", its ranks at step {e['step']}" if e.get("step") is not None else ""
         return (f"machine {e.get('node')} lost: no heartbeat for "
                 f"{_secs(e.get('seconds_silent'))}{at}{attempt}")
+    if kind == "restart_loop":
+        err = f": {e['error']}" if e.get("error") else ""
+        return (f"rank(s) {', '.join(map(str, e.get('ranks') or []))} failed the same way "
+                f"{e.get('failures')} times in a row ({e.get('how')}{err}) with no step "
+                "committed in between: not restarting again (--max-restarts counts failures "
+                "between which training advanced)")
     if kind == "restart":
         return (f"restarting the workers: attempt {e.get('attempt')}, "
                 f"{e.get('restarts')} restart(s) of the budget used")

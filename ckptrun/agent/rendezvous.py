@@ -185,6 +185,10 @@ class JobCoordinator:
 
         return self._advance(attempt, nxt)
 
+    def report_stop(self, attempt: int) -> Epoch:
+        """The job fails now, budget or not (a restart loop): every agent exits 1."""
+        return self._advance(attempt, lambda cur: Epoch(cur.attempt, cur.restarts, FAILED))
+
     def report_fatal(self, attempt: int) -> Epoch:
         """An error a restart cannot fix: every agent stops with exit code 2."""
         return self._advance(attempt, lambda cur: Epoch(cur.attempt, cur.restarts, FATAL))

@@ -38,6 +38,7 @@ from ckptrun.agent.rendezvous import (
     agent_base_env,
     torchrun_env,
 )
+from ckptrun.agent.restart_loops import RestartLoops, describe_how, error_message, signature
 from ckptrun.agent.workers import Worker, WorkerLauncher, stop_workers, wait_for_exit
 from ckptrun.config import AgentConfig
 from ckptrun.tiers.interface import Tier
@@ -82,6 +83,7 @@ class Agent:
         self.restore: Dict[str, object] = {"step": 0}
         self._last_status = 0.0
         self._intervals: Dict[int, int] = {}  # rank -> snapshot interval last logged
+        self.loops = RestartLoops()
 
     def run(self) -> int:
         code = 1
@@ -224,6 +226,16 @@ class Agent:
                         or w.status() is not None):
                     del busy[lr]
 
+    def _progressed(self) -> bool:
+        """Whether a worker of this attempt committed a snapshot after its restore."""
+        start = int(self.restore.get("step", 0) or 0)
+        return any(self.control.record(w.local_rank)["committed_step"] > start
+                   for w in self.workers)
+
+    def _error_file(self, w: Worker) -> str:
+        return os.path.join(self._log_root(), f"attempt_{self.epoch.attempt}", str(w.local_rank),
+                            "error.json")
+
     def _fail(self, w: Worker, **fields) -> None:
         rec = {"time": time.time(), "rank": w.global_rank, "local_rank": w.local_rank,
                "attempt": self.epoch.attempt, **fields}
@@ -240,11 +252,20 @@ class Agent:
             codes = [w.status() for w in self.workers]
             failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
             if failed:
+                self._note_restored([self.control.record(w.local_rank) for w in self.workers])
+                seen = []
                 for w, c in failed:
                     how = ({"signal": signal.Signals(-c).name} if c < 0 else {"exit_code": c})
                     self.events.emit("worker_failed", rank=w.global_rank, attempt=attempt,
                                      **how)
                     self._fail(w, event="worker_failed", **how)
+                    seen.append((w.global_rank, describe_how(how),
+                                 error_message(self._error_file(w))))
+                if self.loops.failed(signature(seen), self._progressed()):
+                    self.events.emit("restart_loop", attempt=attempt, failures=self.loops.count,
+                                     ranks=[r for r, _, _ in seen], how=seen[0][1],
+                                     error=seen[0][2])
+                    return self.coord.report_stop(attempt)
                 return self.coord.report_failure(attempt)
             verdict = self._check_control(codes)
             if verdict is not None:
@@ -290,13 +311,19 @@ class Agent:
                 self._fail(w, event="hang_detected", seconds_silent=silent)
             self._dump_stacks()
             return self.coord.report_failure(self.epoch.attempt)
-        if not self.restored_emitted and all(r["restored_step"] >= 0 for r in restored):
+        self._note_restored(restored)
+        return None
+
+    def _note_restored(self, records) -> None:
+        """``restored`` once every worker's ``restore()`` returned (also when one died soon
+        after: its control record keeps what it restored)."""
+        if not self.restored_emitted and records and \
+                all(r["restored_step"] >= 0 for r in records):
             self.restored_emitted = True
-            step = min(r["restored_step"] for r in restored)
+            step = min(r["restored_step"] for r in records)
             if step > 0:  # restore() returning 0 means "nothing to restore"
                 self.events.emit("restored", step=step, tier=self.restore.get("tier", "memory"),
-                                 seconds=round(max(r["restore_s"] for r in restored), 4))
-        return None
+                                 seconds=round(max(r["restore_s"] for r in records), 4))
 
     def _note_interval(self, w, rec: dict) -> None:
         """A worker snapshotting every N steps (``every=``/``--snapshot-every``): log each
@@ -337,6 +364,9 @@ class Agent:
                       "persisted_url": None}
         for tier in self.tiers:
             checkpoint.update(tier.status())
+        if self.state in ("succeeded", "failed"):  # the agent unlinks its memory on exit
+            checkpoint.update(memory_step=None, peer_step=None)
+            slots = {}
         return {
             "run_id": info.run_id if info else cfg.rdzv_id, "state": self.state,
             "restarts": self.epoch.restarts, "attempt": self.epoch.attempt,

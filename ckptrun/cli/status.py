@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -270,6 +271,17 @@ def status_command(ctx: click.Context, run_dir: Optional[str], as_json: bool, wa
     if not watch:
         console.print(render(load_status(path)))
         return
+    if not console.is_terminal:  # a pipe or a file: a table per refresh, one after another
+        try:
+            while True:
+                st = load_status(path)
+                console.print(render(st))
+                sys.stdout.flush()
+                if st["state"] not in LIVE_STATES:
+                    return
+                time.sleep(interval)
+        except (KeyboardInterrupt, BrokenPipeError):
+            return
     from rich.live import Live
 
     try:

@@ -20,7 +20,9 @@ Usage by the agent::
 
 ``reader(min_step)`` returns ``(step, {rank: (meta, tensors)})`` for the newest step every
 local rank has committed if that step is ``>= min_step``, else ``None`` (cheaply: it is
-polled).  Limitation: the persister finalizes the step itself, so it needs all
+polled).  With ``every_steps=N`` ``min_step`` is the next multiple of N, and the reader
+returns that step (or, if the workers moved past it before it could be read, a later
+multiple of N), so the durable steps are the multiples of N.  Limitation: the persister finalizes the step itself, so it needs all
 ``world_size`` ranks from its own node (single-node jobs); multi-node jobs need a
 coordinator around :func:`storage.write_parts`/:func:`storage.finalize`.
 """
@@ -156,11 +158,13 @@ class Persister:
             if self._stopping.is_set():
                 return
             if self.every_steps is not None:
-                min_step = self._base_step + self.every_steps
+                # the multiples of N (a reader that missed one gives a later multiple); the
+                # count starts over from a step that is not one (a resumed final step)
+                min_step = (self._base_step // self.every_steps + 1) * self.every_steps
             else:
                 min_step = (self._persisted_step or 0) + 1
-            if self._failures:  # retrying: any step newer than the last durable one will do
-                min_step = (self._persisted_step or 0) + 1
+                if self._failures:  # retrying: any step newer than the last durable one
+                    min_step = (self._persisted_step or 0) + 1
             ok = self._persist_once(min_step, exact=False)
             if ok is None:
                 return  # nothing new to persist yet

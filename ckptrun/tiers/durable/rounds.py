@@ -46,13 +46,15 @@ class PersistRounds:
     """One node's side of the rounds (see the module docstring)."""
 
     def __init__(self, store, node: int, nnodes: int, ranks: List[int], memory,
-                 emit: Callable[..., Any], url: str, threads: int = 2) -> None:
+                 emit: Callable[..., Any], url: str, threads: int = 2,
+                 every_steps: Optional[int] = None) -> None:
         # the rounds run in the persister's or the follower's thread, on their own client;
         # the agent's thread (the end of the job) keeps the agent's
         self.store, self._agent_store = own_client(store), store
         self.node, self.nnodes = node, nnodes
         self.ranks, self.memory, self.emit, self.url = ranks, memory, emit, url
         self.threads = threads
+        self.every_steps = every_steps  # --persist-every N: rounds take multiples of N
         self.round = 0
         self.final_step: Optional[int] = None  # set for the last round of a finished job
         self._stop = threading.Event()
@@ -68,9 +70,12 @@ class PersistRounds:
         try:
             newest = self._agree(k, self._newest())
             step = self.final_step if self.final_step is not None else newest + self._lead()
-            self.store.set(k + "step", str(step if step >= min_step else -1))
             if step < min_step:
+                self.store.set(k + "step", "-1")
                 return None
+            if self.final_step is None and self.every_steps:
+                step = -(-step // self.every_steps) * self.every_steps  # the next multiple
+            self.store.set(k + "step", str(step))
             return step, self._read_step(step)
         except JobEnded:
             self.store.set(k + "done", "skip")  # not a failure: the final round follows

@@ -13,6 +13,7 @@ One of the agent's tiers (:class:`~ckptrun.tiers.interface.Tier`).  It
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -20,8 +21,12 @@ from ckptrun.tiers.durable import storage
 from ckptrun.tiers.durable.persister import Persister
 from ckptrun.tiers.durable.rounds import PersistRounds
 from ckptrun.tiers.interface import Tier, TierContext
+from ckptrun.tiers.memory.node import SlotChanged
 
 log = logging.getLogger(__name__)
+
+CATCH_AHEAD = 2  # steps before a --persist-every multiple at which its slots are watched
+CATCH_WAIT_S = 5.0  # the longest a read waits for that step (the persister's thread)
 
 
 class DurableTier(Tier):
@@ -46,9 +51,12 @@ class DurableTier(Tier):
         self.persister: Optional[Persister] = None
         self.rounds: Optional[PersistRounds] = None
         reader, write = self._read, None
+        self.every_steps = cfg.persist_every_steps
+        self._closing = threading.Event()  # the job ends: a read waiting for a step gives up
         if ctx.nnodes > 1:
             self.rounds = PersistRounds(ctx.store, ctx.node, ctx.nnodes, self.ranks,
-                                        self.memory, ctx.emit, self.url)
+                                        self.memory, ctx.emit, self.url,
+                                        every_steps=self.every_steps)
             reader, write = self.rounds.read, self.rounds.write
         if ctx.node == 0:
             self.persister = Persister(
@@ -94,6 +102,7 @@ class DurableTier(Tier):
 
     def finished(self, exit_code: int) -> None:
         """Persist the final step of a successful job (every node takes part)."""
+        self._closing.set()
         if self.persister is None:  # a follower: answer the leader's final round
             if self.rounds is not None:
                 (self.rounds.finish_follower if exit_code == 0 else self.rounds.stop)()
@@ -112,6 +121,7 @@ class DurableTier(Tier):
     def close(self) -> None:
         """Membership changed (a machine lost): stop persisting without a final step; what
         is in storage and in memory stays.  The agent re-creates the tier afterwards."""
+        self._closing.set()
         if self.rounds is not None:
             self.rounds.stop()
         if self.persister is not None:
@@ -128,7 +138,35 @@ class DurableTier(Tier):
 
     # -- internals -----------------------------------------------------------------------
     def _read(self, min_step: int):
-        return self.memory.read_common(min_step, self.ranks)
+        """The persister's reader on one machine (several: ``PersistRounds.read``)."""
+        if not self.every_steps or min_step % self.every_steps:  # also the final step
+            return self.memory.read_common(min_step, self.ranks)
+        return self._read_multiple(min_step)
+
+    def _read_multiple(self, target: int):
+        """``target`` (a multiple of ``--persist-every N``) as soon as every local rank has
+        committed it, or a later multiple if the workers moved past it first; None while it
+        is more than a couple of steps away.  A step stays in the slots only for the next
+        two saves, so near it the slots are watched closely (every 2 ms)."""
+        n, deadline = self.every_steps, time.monotonic() + CATCH_WAIT_S
+        while True:
+            held = [self.memory.steps(r) for r in self.ranks]
+            common = set.intersection(*(set(h) for h in held)) if held else set()
+            ready = sorted(s for s in common if s >= target and s % n == 0)
+            if ready:
+                step = target if target in ready else ready[-1]
+                try:
+                    return step, {r: self.memory.read(r, step) for r in self.ranks}
+                except (KeyError, SlotChanged):
+                    continue  # rewritten under the read: look again
+            newest = max(common) if common else None
+            if newest is None or newest < target - CATCH_AHEAD:
+                return None  # not due yet: the persister asks again
+            if any(h and min(h) > target for h in held):  # gone on some rank: the next one
+                target = (newest // n + 1) * n
+            if self._closing.is_set() or time.monotonic() > deadline:
+                return None
+            time.sleep(0.002)
 
     def _newest_durable(self) -> Optional[int]:
         try:

@@ -1,0 +1,70 @@
+"""No restart loops: a failure that repeats with no step committed in between stops the job
+after the third attempt (exit 1, one line saying why), whatever ``--max-restarts``; failures
+between which training advanced are restarted up to the budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CRASH_AT_START = textwrap.dedent("""
+    import ckptrun, torch
+    ckpt = ckptrun.Checkpointer({"w": torch.zeros(4)})
+    ckpt.restore()
+    raise ValueError("config.yaml has no key 'lr'")
+""")
+
+# crashes two steps after every restore, until step 12: every attempt makes progress
+CRASH_WITH_PROGRESS = textwrap.dedent("""
+    import os, signal, torch, ckptrun
+    w = torch.zeros(4)
+    ckpt = ckptrun.Checkpointer({"w": w})
+    start = ckpt.restore()
+    for step in range(start, 12):
+        w += 1
+        ckpt.save(step + 1)
+        ckpt.wait()
+        if step + 1 == start + 2 and step + 1 < 12:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+""")
+
+
+def run(tmp_path, source: str):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ckptrun.cli", "--standalone",
+                           "--nproc-per-node", "1", "--run-dir", str(run_dir), str(script)],
+                          capture_output=True, text=True, timeout=300)
+    with open(run_dir / "events.jsonl") as f:
+        evts = [json.loads(line) for line in f if line.strip()]
+    return proc, evts, time.monotonic() - t0
+
+
+def test_a_deterministic_crash_at_start_up_stops_after_three_attempts(tmp_path):
+    proc, evts, _ = run(tmp_path, CRASH_AT_START)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len([e for e in evts if e["event"] == "worker_failed"]) == 3
+    assert [e["attempt"] for e in evts if e["event"] == "restart"] == [1, 2]
+    loop = [e for e in evts if e["event"] == "restart_loop"]
+    assert len(loop) == 1 and loop[0]["failures"] == 3 and loop[0]["how"] == "exit code 1"
+    lines = [ln for ln in proc.stderr.splitlines() if "failed the same way 3 times" in ln]
+    assert len(lines) == 1 and "not restarting again" in lines[0], proc.stderr[-2000:]
+    assert proc.stderr.count("ValueError: config.yaml has no key 'lr'") == 3  # not 11 copies
+
+
+def test_failures_with_progress_in_between_are_all_restarted(tmp_path):
+    proc, evts, _ = run(tmp_path, CRASH_WITH_PROGRESS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len([e for e in evts if e["event"] == "worker_failed"]) == 5  # 2, 4, 6, 8, 10
+    assert not [e for e in evts if e["event"] == "restart_loop"]
+    assert [e["step"] for e in evts if e["event"] == "restored"] == [2, 4, 6, 8, 10]
