@@ -54,7 +54,11 @@ def test_defaults(tmp_path):
     # static single node without a master port becomes c10d on a free port, like torchrun
     assert (cfg.rdzv_backend, cfg.rdzv_endpoint) == ("c10d", "localhost:0")
     assert re.match(r"^\d{8}-\d{6}-[0-9a-f]{4}$", cfg.rdzv_id)
-    assert cfg.run_dir == str(tmp_path / "ckptrun-runs" / cfg.rdzv_id)
+    # the default run dir is stable for the same job (the script and its arguments)
+    assert re.match(r"^train-[0-9a-f]{10}$", os.path.basename(cfg.run_dir)), cfg.run_dir
+    assert os.path.dirname(cfg.run_dir) == str(tmp_path / "ckptrun-runs")
+    assert parse(["train.py"]).run_dir == cfg.run_dir
+    assert parse(["train.py", "--lr", "1"]).run_dir != cfg.run_dir
     assert cfg.persist_to == os.path.join(cfg.run_dir, "checkpoints")
     assert (cfg.persist_every_steps, cfg.persist_every_seconds) == (None, 600.0)
     assert (cfg.keep, cfg.replicas, cfg.hang_timeout, cfg.resume_from) == (3, 2, None, None)
@@ -328,3 +332,15 @@ def test_replication_rate(monkeypatch):
     assert parse(["--replication-rate", "off", "train.py"]).replication_rate is None
     for bad in ("fast", "-3", "inf"):
         assert "--replication-rate" in _error(["--replication-rate", bad, "train.py"])
+
+
+def test_default_run_dir_follows_the_scheduler_job_id(tmp_path, monkeypatch):
+    """Slurm's job id (a requeued job keeps it) or torchelastic's run id name the default
+    run dir, so that the same job started again finds its checkpoints; --rdzv-id wins."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert parse(["train.py"]).run_dir == str(tmp_path / "ckptrun-runs" / "slurm-4242")
+    assert parse(["--rdzv-id", "exp/7", "train.py"]).run_dir == \
+        str(tmp_path / "ckptrun-runs" / "exp_7")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert parse(["train.py"]).run_dir == str(tmp_path / "ckptrun-runs" / "abc")

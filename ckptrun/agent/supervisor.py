@@ -8,8 +8,9 @@
             failure anywhere  ->  epoch k+1 (counted once)  ->  every node restarts
             all nodes done    ->  exit 0;   budget spent -> 1;   fatal -> 2
 
-Exit codes: 0 success, 1 job failed (restart budget spent), 2 configuration error,
-128+N when stopped by signal N.
+Exit codes: 0 success, 1 job failed (restart budget spent, a restart loop) or stopped by a
+signal (forwarded to the workers, as torchrun does; the newest step is persisted first),
+2 configuration error.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Agent:
         self._last_status = 0.0
         self._intervals: Dict[int, int] = {}  # rank -> snapshot interval last logged
         self.loops = RestartLoops()
+        self.stopped_by: Optional[int] = None  # the signal that stopped the job
 
     def run(self) -> int:
         code = 1
@@ -96,9 +98,11 @@ class Agent:
         old = {s: signal.signal(s, self._on_signal) for s in _signals(self.cfg)}
         try:
             code = self._run()
-        except AgentSignal as e:
-            print(f"ckptrun: received {e}, stopping workers", file=sys.stderr)
-            code = 128 + e.signum
+        except AgentSignal as e:  # preemption (Slurm, Kubernetes) or Ctrl-C
+            self.stopped_by = e.signum
+            print(f"ckptrun: received {e}: stopping the workers with {e}, then persisting "
+                  "the newest step every rank committed", file=sys.stderr)
+            code = 1  # as torchrun: it forwards the signal and exits 1
         finally:
             for s in old:
                 signal.signal(s, signal.SIG_IGN)  # a 2nd Ctrl-C must not cut the cleanup
@@ -153,6 +157,8 @@ class Agent:
         self.restore = decide_restore(self.tiers, self._ranks(), self.coord, attempt,
                                       self.coord.rollback_step(attempt))
         self.restored_emitted = False
+        if attempt == 0 and self.restore.get("step"):  # the same command run again
+            to_stderr(f"resuming from step {self.restore['step']} ({self.restore['tier']})")
         master_addr, port = self.coord.master_port(attempt, info, self._own_addr)
         logs = os.path.join(self._log_root(), f"attempt_{attempt}")
         os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
@@ -381,9 +387,10 @@ class Agent:
 
     def _shutdown(self, code: int) -> None:
         try:
-            stop_workers(self.workers, self.cfg.shutdown_timeout)
-            for tier in self.tiers:
-                tier.finished(code)  # e.g. the final persist of a successful job
+            stop_workers(self.workers, self.cfg.shutdown_timeout,
+                         sig=self.stopped_by or signal.SIGTERM)
+            for tier in self.tiers:  # e.g. the final persist of a job that succeeded or
+                tier.finished(code, stopped=self.stopped_by is not None)  # was preempted
             if getattr(self, "live", None) is not None:
                 self.live.stop()
         finally:

@@ -326,10 +326,11 @@ def wait_for_exit(workers: List[Worker], timeout: float) -> None:
         time.sleep(min(EXIT_POLL_S, left))
 
 
-def stop_workers(workers: List[Worker], grace: float) -> None:
-    """Stop a group (SIGTERM, ``grace``, SIGKILL; ``grace`` 0: SIGKILL at once) and wait
-    until their logs are drained."""
-    drain(workers, kill_trees([w.proc for w in workers], grace))
+def stop_workers(workers: List[Worker], grace: float, sig: int = signal.SIGTERM) -> None:
+    """Stop a group (``sig``, ``grace``, SIGKILL; ``grace`` 0: SIGKILL at once) and wait
+    until their logs are drained.  ``sig``: the signal the agent received, as torchrun
+    forwards it (a script may handle SIGINT and SIGTERM differently)."""
+    drain(workers, kill_trees([w.proc for w in workers], grace, sig=sig))
 
 
 def drain(workers: List[Worker], tree: List[psutil.Process], block: bool = True) -> bool:

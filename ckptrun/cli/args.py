@@ -9,6 +9,8 @@ with a one-line message, which the CLI turns into ``ckptrun: error: ...`` and ex
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -185,7 +187,8 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     if backend == "c10d" and not endpoint:
         raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (or --standalone)")
 
-    run_dir = os.path.abspath(os.path.expanduser(ns.run_dir or os.path.join("ckptrun-runs", run_id)))
+    run_dir = os.path.abspath(os.path.expanduser(
+        ns.run_dir or os.path.join("ckptrun-runs", job_id(ns))))
     persist_to = _absolute_url(ns.persist_to or os.path.join(run_dir, "checkpoints"))
     every_steps, every_seconds = parse_persist_every(ns.persist_every)
     cfg = AgentConfig(
@@ -231,6 +234,33 @@ def _replication_budget(text: Optional[str]) -> Optional[float]:
     except ValueError:
         raise UsageError(f"--replication-budget takes a share like 5% or 0.05, or 'off'; "
                          f"got {text!r}") from None
+
+
+def job_id(ns: argparse.Namespace) -> str:
+    """The name of the default run directory: the same for the same job, so that running
+    the same command again (after a preemption, a requeue) resumes from its checkpoints.
+
+    ``--rdzv-id`` when given; else the job id of the scheduler that started us
+    (``SLURM_JOB_ID``, ``TORCHELASTIC_RUN_ID``); else the script and its arguments: the script's
+    name and a hash of its absolute path, its arguments and how it is run (``-m``,
+    ``--no-python``)."""
+    if ns.rdzv_id and ns.rdzv_id != "none":
+        return _safe(ns.rdzv_id)
+    for var, prefix in (("SLURM_JOB_ID", "slurm-"), ("TORCHELASTIC_RUN_ID", "")):
+        value = os.environ.get(var, "").strip()
+        if value and value != "none":
+            return prefix + _safe(value)
+    script = ns.training_script
+    target = script if ns.module or ns.no_python else os.path.abspath(script)
+    digest = hashlib.sha256(json.dumps([target, list(ns.training_script_args), bool(ns.module),
+                                        bool(ns.no_python)]).encode()).hexdigest()[:10]
+    stem = os.path.splitext(os.path.basename(script))[0] or "job"
+    return f"{_safe(stem)}-{digest}"
+
+
+def _safe(text: str) -> str:
+    """``text`` as one path component."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:80] or "job"
 
 
 def new_run_id() -> str:

@@ -100,6 +100,9 @@ def load_status(run_dir: str, now: Optional[float] = None) -> Dict[str, Any]:
     """The status of the run in ``run_dir`` as one JSON-able dict (DESIGN §1 keys and more)."""
     now = time.time() if now is None else now
     events = read_events(run_dir)
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    if starts:  # a run dir is reused by the same job run again: its newest run counts
+        events = events[starts[-1]:]
     raw = read_json(os.path.join(run_dir, STATUS_FILE))
     st: Dict[str, Any] = dict(raw) if isinstance(raw, dict) else _state_from_events(events)
     st.setdefault("run_id", os.path.basename(os.path.normpath(run_dir)))

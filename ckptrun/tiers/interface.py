@@ -80,8 +80,9 @@ class Tier(ABC):
     def tick(self) -> None:  # noqa: B027  (optional: a no-op by default)
         """Called from the supervision loop (about every ``--monitor-interval``)."""
 
-    def finished(self, exit_code: int) -> None:
-        """The job ends here with ``exit_code`` (0: e.g. persist its final step)."""
+    def finished(self, exit_code: int, stopped: bool = False) -> None:
+        """The job ends here with ``exit_code``; ``stopped``: by a signal (a preemption).
+        A job that succeeded or was stopped keeps its newest step (the durable tier)."""
         self.close()
 
     def close(self) -> None:  # noqa: B027  (optional: a no-op by default)

@@ -100,14 +100,16 @@ class DurableTier(Tier):
         if self.persister is not None:
             self.persister.notify(0)
 
-    def finished(self, exit_code: int) -> None:
-        """Persist the final step of a successful job (every node takes part)."""
+    def finished(self, exit_code: int, stopped: bool = False) -> None:
+        """Persist the newest step of a job that succeeded, or that was stopped by a signal
+        (a preemption: the same command run again resumes from it); every node takes part."""
         self._closing.set()
+        keep = exit_code == 0 or stopped
         if self.persister is None:  # a follower: answer the leader's final round
             if self.rounds is not None:
-                (self.rounds.finish_follower if exit_code == 0 else self.rounds.stop)()
+                (self.rounds.finish_follower if keep else self.rounds.stop)()
             return
-        step = self.memory.common_step(self.ranks) if exit_code == 0 else None
+        step = self.memory.common_step(self.ranks) if keep else None
         if self.rounds is not None:
             self.rounds.job_done(step)  # a round waiting for a step gives up first
         try:

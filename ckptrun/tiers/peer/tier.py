@@ -118,7 +118,7 @@ class ReplicaTier(Tier):
                                             daemon=True)
             self._thread.start()
 
-    def finished(self, exit_code: int) -> None:
+    def finished(self, exit_code: int, stopped: bool = False) -> None:
         self.close()
 
     def close(self) -> None:
