@@ -50,14 +50,16 @@ def _job(tmp_path, name: str, nproc: int, *args: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [3, 4])
+@pytest.mark.parametrize("nproc", [4])  # 3 ranks end to end: tests/test_machine_loss.py
 def test_plain_ddp_resumes_bitwise_after_a_sigkill(tmp_path, nproc):
-    """examples/train.py (plain DDP, the model registered without its wrapper) killed after
-    step 12 and restored from memory ends with the failure-free run's weights."""
+    """examples/train.py (plain DDP, the model registered without its wrapper) with rank 1
+    killed after step 12 and restored from memory ends with the failure-free run's weights."""
     want, _ = _job(tmp_path, "reference", nproc)
     got, evts = _job(tmp_path, "failed", nproc, "--crash-at", "12")
     restored = [e for e in evts if e["event"] == "restored"]
-    assert restored and restored[0]["step"] == 12 and restored[0]["tier"] == "memory", evts
+    # rank 1 dies right after its save(12); the others are at most a step behind it
+    assert restored and restored[0]["step"] in (11, 12), evts
+    assert restored[0]["tier"] == "memory", evts
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k], got[k]), f"{k} differs after the restore"

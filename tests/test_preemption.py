@@ -47,12 +47,16 @@ def wait_for_step(cwd, step: int, timeout: float = 120.0) -> str:
     raise AssertionError("the job never got there")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_preempted_job_resumes_from_its_newest_step(tmp_path, sig):
-    ref = tmp_path / "ref"
-    ref.mkdir()
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("reference")
     subprocess.run(ckptrun(TRAIN, *ARGS), cwd=ref, check=True, capture_output=True,
                    timeout=240)
+    return torch.load(ref / "final.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_preempted_job_resumes_from_its_newest_step(tmp_path, sig, reference):
     work = tmp_path / "work"
     work.mkdir()
     job = subprocess.Popen(ckptrun(TRAIN, *ARGS), cwd=work, stdout=subprocess.PIPE,
@@ -71,10 +75,9 @@ def test_preempted_job_resumes_from_its_newest_step(tmp_path, sig):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from step {newest} (storage)" in again.stderr, again.stderr[-3000:]
     assert glob.glob(os.path.join(work, "ckptrun-runs", "*")) == [run_dir]  # the same dir
-    want = torch.load(ref / "final.pt", weights_only=True)
     got = torch.load(work / "final.pt", weights_only=True)
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
+    for k in reference:
+        assert torch.equal(reference[k], got[k]), k
 
 
 RECORDER = textwrap.dedent("""

@@ -370,8 +370,8 @@ class Agent:
                       "persisted_url": None}
         for tier in self.tiers:
             checkpoint.update(tier.status())
-        if self.state in ("succeeded", "failed"):  # the agent unlinks its memory on exit
-            checkpoint.update(memory_step=None, peer_step=None)
+        if self.state in ("succeeded", "failed"):  # the agent unlinks its slots on exit
+            checkpoint["memory_step"] = None
             slots = {}
         return {
             "run_id": info.run_id if info else cfg.rdzv_id, "state": self.state,

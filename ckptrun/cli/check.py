@@ -26,8 +26,10 @@ from typing import Dict, List, Optional, Tuple
 from ckptrun.cli.usage import UsageError
 from ckptrun.protocol.check import ENV_CHECK_KILL, ENV_CHECK_LOG, ENV_CHECK_STEPS
 
-OWN = {"--steps": True, "--fail-at": True, "--rank": True, "--json": False,
-       "--faults": True, "--kinds": True}  # option -> takes a value
+# check's own options (and --run-dir: each run gets its own) -> whether they take a value;
+# left out of the command line of the runs
+OWN = {"--steps": True, "--fail-at": True, "--fail_at": True, "--rank": True, "--json": False,
+       "--faults": True, "--kinds": True, "--run-dir": True, "--run_dir": True}
 Fingerprints = Dict[Tuple[int, int], dict]  # (rank, step) -> {"entries": ..., "tensors": ...}
 
 
@@ -86,22 +88,21 @@ def check_main(argv: List[str]) -> int:
         raise UsageError(f"--fail-at {ns.fail_at} must be before --steps {ns.steps}")
     base = ns.run_dir or tempfile.mkdtemp(prefix="ckptrun-check-")
     launcher = _launcher_args(argv, ns)
-    say = _Progress(ns.as_json)
     say(f"checking {cfg.script} on {world} process(es); runs under {base}")
 
     steps = ns.steps
-    ref = _run("reference", base, launcher, ns, steps, None, say)
+    ref = _run("reference", base, launcher, ns, steps, None)
     if ref.code != 0 or not ref.prints:
-        return _broken(ref, say, ns.as_json)
+        return _broken(ref, ns.as_json)
     steps = steps or ref.last_step()
     fail_at = ns.fail_at or max(1, steps // 2)
     if fail_at >= steps:
         raise UsageError(f"the script ends at step {steps}: nothing to compare after "
                          f"--fail-at {fail_at}")
-    failed = _run("failure", base, launcher, ns, steps, f"{fail_at}:{rank}", say,
+    failed = _run("failure", base, launcher, ns, steps, f"{fail_at}:{rank}",
                   what=f"rank {rank} SIGKILLed after save({fail_at})")
     if failed.code != 0:
-        return _broken(failed, say, ns.as_json)
+        return _broken(failed, ns.as_json)
     restored = failed.restored if failed.restored is not None else 0
     step, entries, paths = _first_difference(ref.prints, failed.prints, restored, steps)
     result = {"exact": step is None, "first_divergent_step": step, "divergent_entries": entries,
@@ -111,7 +112,7 @@ def check_main(argv: List[str]) -> int:
         result["hint"] = (f"exact: steps {restored + 1}..{steps} bitwise equal after a "
                           f"restore at {restored}")
     else:
-        again = _run("reference-2", base, launcher, ns, steps, None, say,
+        again = _run("reference-2", base, launcher, ns, steps, None,
                      what="a second run without a failure")
         nd_step, nd_entries, _ = _first_difference(ref.prints, again.prints, 0, steps)
         result["deterministic"] = nd_step is None and again.code == 0
@@ -121,14 +122,9 @@ def check_main(argv: List[str]) -> int:
     return 0 if result["exact"] else 1
 
 
-class _Progress:
-    """Progress lines on stderr (stdout keeps the result, e.g. the JSON object)."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-
-    def __call__(self, text: str) -> None:
-        print(f"ckptrun check: {text}", file=sys.stderr, flush=True)
+def say(text: str) -> None:
+    """A progress line, on stderr (stdout keeps the result, e.g. the JSON object)."""
+    print(f"ckptrun check: {text}", file=sys.stderr, flush=True)
 
 
 def _launcher_args(argv: List[str], ns: argparse.Namespace) -> List[str]:
@@ -142,16 +138,15 @@ def _launcher_args(argv: List[str], ns: argparse.Namespace) -> List[str]:
             skip = False
             continue
         name = tok.split("=", 1)[0]
-        own = {**OWN, "--run-dir": True, "--run_dir": True, "--fail_at": True}
-        if name in own:
-            skip = own[name] and "=" not in tok
+        if name in OWN:
+            skip = OWN[name] and "=" not in tok
             continue
         out.append(tok)
     return out
 
 
 def _run(name: str, base: str, launcher: List[str], ns: argparse.Namespace,
-         steps: Optional[int], kill: Optional[str], say: _Progress,
+         steps: Optional[int], kill: Optional[str],
          what: str = "no failure") -> Run:
     run = Run(name, os.path.join(base, name))
     logs = os.path.join(run.directory, "check")
@@ -315,7 +310,7 @@ def _report(result: dict, paths: Dict[str, List[str]], as_json: bool) -> None:
     print(f"hint: {result['hint']}")
 
 
-def _broken(run: Run, say: _Progress, as_json: bool) -> int:
+def _broken(run: Run, as_json: bool) -> int:
     say(f"the {run.name} run did not complete (exit {run.code}, {run.last_step()} steps "
         f"fingerprinted); its last output:\n{run.console_tail()}")
     if not run.prints:

@@ -86,27 +86,25 @@ def cli() -> None:
     """The click group; :func:`main` routes command lines without a subcommand to ``run``."""
 
 
-@click.command(
-    "run",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                      "allow_interspersed_args": False, "help_option_names": []},
-    add_help_option=False,
-)
-@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
+def _passthrough(name: str):
+    """A subcommand whose arguments go, unprocessed, to torch's argparse parser (which has
+    the torchrun options and their ``--help``)."""
+    def wrap(fn):
+        fn = click.pass_context(fn)
+        fn = click.argument("argv", nargs=-1, type=click.UNPROCESSED)(fn)
+        return click.command(name, add_help_option=False, context_settings={
+            "ignore_unknown_options": True, "allow_extra_args": True,
+            "allow_interspersed_args": False, "help_option_names": []})(fn)
+    return wrap
+
+
+@_passthrough("run")
 def run_command(ctx: click.Context, argv: List[str]) -> None:
     """Launch and supervise SCRIPT like torchrun (see ckptrun --help for the options)."""
     ctx.exit(run_main(list(argv)))
 
 
-@click.command(
-    "check",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                      "allow_interspersed_args": False, "help_option_names": []},
-    add_help_option=False,
-)
-@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
+@_passthrough("check")
 def check_command(ctx: click.Context, argv: List[str]) -> None:
     """Prove that SCRIPT resumes exactly: a run without and one with a failure, compared."""
     from ckptrun.cli.args import UsageError
