@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-services lint bench bench-quick clean
+.PHONY: demo test test-fast test-services lint soak bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ test-fast: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
+
+# 100 faults of every kind on examples/train.py at 3 ranks (CI runs 20: tests/test_check_soak.py)
+SOAK_FAULTS ?= 100
+soak: $(VENV)/.installed
+	$(PY) -m ckptrun.cli check --standalone --nproc-per-node 3 --faults $(SOAK_FAULTS) \
+	  --steps $$(( $(SOAK_FAULTS) * 2 )) examples/train.py --width 64 --steps $$(( $(SOAK_FAULTS) * 2 ))
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks

@@ -24,7 +24,10 @@ def check(tmp_path, *args: str, timeout: int = 400) -> subprocess.CompletedProce
 @pytest.mark.parametrize("args,message", [
     (["--rank", "5", LOOPS], "--rank 5 is outside 0..1"),
     (["--steps", "4", "--fail-at", "4", LOOPS], "--fail-at 4 must be before --steps 4"),
-    (["--faults", "20", LOOPS], "not available"),
+    (["--faults", "20", "--steps", "10", LOOPS], "--faults 20 needs at least 24 steps"),
+    (["--faults", "3", "--kinds", "kill,bogus", LOOPS], "--kinds takes a comma-separated"),
+    (["--faults", "0", LOOPS], "--faults must be >= 1"),
+    (["--faults", "3", "--fail-at", "2", LOOPS], "--fail-at/--rank name a single failure"),
     (["--fail-at", "0", LOOPS], "--fail-at must be >= 1"),
 ])
 def test_bad_command_lines_are_refused_before_anything_runs(tmp_path, args, message):

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from ckptrun.cli.status import load_status
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "e2e_train.py")
 STEPS = 30
@@ -93,12 +95,27 @@ def test_worker_failure_restores_from_memory_bitwise(tmp_path, reference, failur
     no_shm_left(run_dir)
     # the agent tells the person watching the job what failed and how it recovered
     said = [line for line in proc.stderr.splitlines() if line.startswith("ckptrun: ")]
-    # (in a hang both ranks fall silent -- rank 0 waits in the collective -- and either
-    # may pass the timeout first: CI under load reported rank 0)
+    # (in a hang rank 0 waits in the collective: only the stopped rank 1 is named)
     want = {"sigkill": "was killed by SIGKILL", "exception": "exited with code 1",
-            "hang": "hung: no heartbeat for"}[failure]
-    assert any(line.startswith("ckptrun: rank ") and want in line for line in said), said
+            "hang": "stopped (no sign of life): no rank advanced for"}[failure]
+    assert any(line.startswith("ckptrun: rank 1 ") and want in line for line in said), said
+    if failure == "hang":
+        assert not any(line.startswith("ckptrun: rank 0 ") for line in said), said
     assert "ckptrun: restarting the workers: attempt 1, 1 restart(s) of the budget used" in said
+    # the downtime, failure to every rank's first step after the restore, and its phases
+    rec = of(evts, "recovered")
+    assert len(rec) == 1 and rec[0]["step"] == restored[0]["step"], evts
+    ph = rec[0]["phases"]
+    assert set(ph) == {"detect_s", "stop_s", "start_s", "restore_s", "first_step_s"}, ph
+    assert abs(sum(ph.values()) - rec[0]["downtime_s"]) < 0.01, rec
+    assert (failure == "hang") == (ph["detect_s"] >= 3.0), ph  # the hang timeout is 3 s
+    assert any(line.startswith("ckptrun: recovered in ") and ", script " in line
+               for line in said), said
+    st = load_status(run_dir)
+    assert st["last_recovery"]["downtime_s"] == rec[0]["downtime_s"]
+    tt = st["training_time"]
+    assert tt["recoveries"] == 1 and tt["effective_s"] == round(tt["elapsed_s"]
+                                                                - tt["downtime_s"], 3), tt
     assert f"restored step {restored[0]['step']} from memory in " in "\n".join(said)
 
 

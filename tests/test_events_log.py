@@ -150,8 +150,11 @@ def test_failures_and_recoveries_are_echoed_one_line_each(tmp_path):
 
 
 @pytest.mark.parametrize("event, fields, text", [
-    ("hang_detected", {"rank": 2, "seconds_silent": 30.5, "attempt": 1},
-     "rank 2 hung: no heartbeat for 30.50 s (attempt 1)"),
+    ("hang_detected", {"rank": 2, "seconds_silent": 30.5, "attempt": 1, "why": "stopped"},
+     "rank 2 stopped (no sign of life): no rank advanced for 30.50 s (attempt 1)"),
+    ("hang_detected", {"rank": 0, "seconds_silent": 4.0, "attempt": 0, "why": "deadlock"},
+     "rank 0 waiting, as every other rank (a deadlock or a stuck collective): no rank "
+     "advanced for 4.00 s (attempt 0)"),
     ("node_lost", {"node": 1, "seconds_silent": 5.3, "step": 9, "attempt": 0},
      "machine 1 lost: no heartbeat for 5.30 s, its ranks at step 9 (attempt 0)"),
     ("worker_failed", {"rank": 0, "exit_code": 2, "fatal": 7},

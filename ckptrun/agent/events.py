@@ -108,7 +108,11 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
                else f"exited with code {e.get('exit_code')}")
         return f"rank {rank} {how}{attempt}"
     if kind == "hang_detected":
-        return f"rank {rank} hung: no heartbeat for {_secs(e.get('seconds_silent'))}{attempt}"
+        how = {"stopped": "stopped (no sign of life)",
+               "deadlock": "waiting, as every other rank (a deadlock or a stuck collective)"
+               }.get(e.get("why"), "hung")
+        return (f"rank {rank} {how}: no rank advanced for "
+                f"{_secs(e.get('seconds_silent'))}{attempt}")
     if kind == "stacks_dumped":
         return f"stacks of the hung workers are in {e.get('path')}"
     if kind == "node_lost":
@@ -126,6 +130,12 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
                 f"{e.get('restarts')} restart(s) of the budget used")
     if kind == "restored":
         return f"restored step {e.get('step')} from {e.get('tier')} in {_secs(e.get('seconds'))}"
+    if kind == "recovered":
+        ph = e.get("phases") or {}
+        parts = ", ".join(f"{label} {ph[key]:.2f}" for key, label in (
+            ("detect_s", "detect"), ("stop_s", "stop"), ("start_s", "start"),
+            ("restore_s", "restore"), ("first_step_s", "script")) if key in ph)
+        return f"recovered in {_secs(e.get('downtime_s'))}: {parts}"
     if kind == "persist_failed":
         return f"persisting step {e.get('step')} failed: {e.get('error')}"
     if kind == "replication_refused":

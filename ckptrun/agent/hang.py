@@ -1,11 +1,21 @@
-"""Hang detection from control-block heartbeats, and stack dumps of hung workers.
+"""Hang detection by progress, and stack dumps of hung workers.
+
+A job is hung when **no rank of it advances** for the timeout -- a deadlock, a stopped
+process, a collective that never completes -- not when one rank waits for another that is
+busy (rank 0 evaluating alone while rank 1 sits in the next all-reduce).  Each worker's
+sampler (``ckptrun.worker.progress``) writes into the control block when its main thread
+last advanced and when it last sampled at all; other nodes' progress arrives through
+:class:`ckptrun.agent.membership.Liveness`.  A verdict names the ranks whose sampler went
+silent (stopped processes), not the ones waiting; when every rank is alive and none moves
+(a deadlock) it names them all.
 
 Only a worker that has heartbeat at least once is watched: a plain torchrun script that
 never imports ckptrun has no heartbeat and must never be killed as hung.  The timeout is
-either fixed (``--hang-timeout N``) or learned (``auto``): a generous window until the
-second beat (start-up, first compile, first collective), then
-``max(floor, factor * median interval between beats)``.  A worker that declares itself
-SAVING or RESTORING is never timed out (DESIGN lesson), nor one that is DONE.
+either fixed (``--hang-timeout N``) or learned (``auto``) from the step times (intervals
+between heartbeats): a generous window until the second beat (start-up, first compile,
+first collective), then ``max(floor, factor * median interval between beats)``.  A worker
+that declares itself SAVING or RESTORING counts as advancing (DESIGN lesson); one that is
+DONE is not watched.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import statistics
 import subprocess
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ckptrun.protocol import Phase
@@ -24,6 +35,8 @@ from ckptrun.protocol import Phase
 AUTO_FIRST_WINDOW_S = 120.0
 AUTO_FLOOR_S = 30.0
 AUTO_FACTOR = 10.0
+STOPPED_S = 1.0  # a sampler silent this long: the process is not running at all
+REMOTE_GRACE_S = 2.0  # a node with no stopped rank waits this much more for the others'
 
 
 class _RankState:
@@ -31,10 +44,23 @@ class _RankState:
         self.last_beats = 0
         self.last_time = 0.0
         self.intervals: Deque[float] = deque(maxlen=64)
+        self.sampled = 0.0  # the sampler's last sample (0: no sampler yet)
+        self.advanced = 0.0  # its last sample that found the main thread advancing
+        self.phase = Phase.INIT
+
+
+@dataclass
+class Hang:
+    """A verdict: the job made no progress for ``silent_s``; ``ranks`` (local ranks) are the
+    stopped ones, or every watched one when ``deadlock``."""
+
+    silent_s: float
+    ranks: List[int]
+    deadlock: bool
 
 
 class HangDetector:
-    """Tracks the heartbeats of one attempt's local workers; ``check`` says who is hung."""
+    """Tracks one attempt's local workers; :meth:`verdict` says whether the job is hung."""
 
     def __init__(self, timeout: Optional[float], first_window: float = AUTO_FIRST_WINDOW_S,
                  floor: float = AUTO_FLOOR_S, factor: float = AUTO_FACTOR):
@@ -42,11 +68,14 @@ class HangDetector:
         self.first_window, self.floor, self.factor = first_window, floor, factor
         self._ranks: Dict[int, _RankState] = {}
         self._learned: List[float] = []  # intervals seen in earlier attempts
+        self._started = time.monotonic()
 
-    def reset(self) -> None:
-        """Forget everything (new attempt).  Learned step times are kept: same job."""
+    def reset(self, now: Optional[float] = None) -> None:
+        """Forget everything (new attempt, starting ``now``).  Learned step times are kept:
+        same job."""
         kept = [i for st in self._ranks.values() for i in st.intervals]
         self._ranks = {}
+        self._started = time.monotonic() if now is None else now
         if kept:
             self._learned = kept[-64:]
 
@@ -69,24 +98,60 @@ class HangDetector:
         values = [t for t in (self.timeout_for(r) for r in self._ranks) if t is not None]
         return max(values) if values else None
 
-    def observe(self, local_rank: int, beats: int, heartbeat: float) -> None:
-        """Feed one control-block reading (``beats`` counter, ``heartbeat`` monotonic time)."""
+    def observe(self, local_rank: int, beats: int, heartbeat: float,
+                sampled: float = 0.0, advanced: float = 0.0,
+                phase: int = Phase.RUNNING) -> None:
+        """Feed one control-block reading of a live worker: its ``beats`` counter and
+        ``heartbeat`` time, and its sampler's ``sampled``/``advanced`` times (monotonic)."""
         st = self._ranks.setdefault(local_rank, _RankState())
         if beats > st.last_beats:
             if st.last_beats > 0 and heartbeat > st.last_time:
                 # several beats may happen between two polls: the mean interval of them
                 st.intervals.append((heartbeat - st.last_time) / (beats - st.last_beats))
             st.last_beats, st.last_time = beats, heartbeat
+        st.sampled, st.advanced, st.phase = sampled, advanced, phase
 
-    def check(self, local_rank: int, phase: int, now: Optional[float] = None) -> Optional[float]:
-        """Seconds of silence if ``local_rank`` is hung now, else None."""
-        if phase in (Phase.SAVING, Phase.RESTORING, Phase.DONE):
+    def gone(self, local_rank: int) -> None:
+        """``local_rank`` exited: it neither advances nor holds the job back."""
+        self._ranks.pop(local_rank, None)
+
+    def local_progress(self, now: Optional[float] = None) -> float:
+        """Monotonic time at which some live local rank last advanced (a running rank
+        saving or restoring, or one not yet sampling -- still starting -- advances now)."""
+        now = time.monotonic() if now is None else now
+        times = [self._started]
+        for st in self._ranks.values():
+            if st.phase == Phase.DONE:
+                continue
+            alive = st.sampled == 0.0 or now - st.sampled <= STOPPED_S
+            if st.sampled == 0.0 or (alive and st.phase in (Phase.SAVING, Phase.RESTORING)):
+                times.append(now)  # (a process stopped mid-snapshot is stopped all the same)
+            else:
+                times.append(max(st.advanced, st.last_time))
+        return max(times)
+
+    def verdict(self, now: Optional[float] = None,
+                remote_age: Optional[float] = None) -> Optional[Hang]:
+        """A :class:`Hang` when no rank of the job advanced for the timeout, else None.
+        ``remote_age``: seconds since another node last reported progress (None: one node)."""
+        now = time.monotonic() if now is None else now
+        watched = {r: st for r, st in self._ranks.items()
+                   if st.phase != Phase.DONE and self.timeout_for(r) is not None}
+        if not watched:
             return None
-        timeout = self.timeout_for(local_rank)
-        if timeout is None:
+        timeout = max(self.timeout_for(r) for r in watched)
+        silent = now - self.local_progress(now)
+        if remote_age is not None:
+            silent = min(silent, remote_age)
+        if silent <= timeout:
             return None
-        silent = (time.monotonic() if now is None else now) - self._ranks[local_rank].last_time
-        return silent if silent > timeout else None
+        stopped = sorted(r for r, st in watched.items()
+                         if st.sampled and now - st.sampled > STOPPED_S)
+        if stopped:
+            return Hang(round(silent, 3), stopped, deadlock=False)
+        if remote_age is not None and silent <= timeout + REMOTE_GRACE_S:
+            return None  # a stopped rank on another node: its own agent names it first
+        return Hang(round(silent, 3), sorted(watched), deadlock=True)
 
 
 # ---------------------------------------------------------------------------- stacks

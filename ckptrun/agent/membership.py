@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 NODE_TIMEOUT_ENV = "CKPTRUN_NODE_TIMEOUT"
 DEFAULT_NODE_TIMEOUT_S = 5.0
 ALIVE = KEY_PREFIX + "alive/"
+PROGRESS = KEY_PREFIX + "progress/"  # bumped while some local rank's main thread advances
 MEMBER = KEY_PREFIX + "member/"
 
 
@@ -68,6 +69,10 @@ class Liveness:
         now = time.monotonic()
         self._seen: Dict[int, Tuple[int, float]] = {g: (-1, now) for g in range(nnodes)
                                                     if g != node}
+        # the other nodes' progress counters: (value, when it last changed); a node's hang
+        # verdict needs to know whether some rank elsewhere is still advancing
+        self._progress: Dict[int, Tuple[int, float]] = dict(self._seen)
+        self._advancing = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="ckptrun-liveness", daemon=True)
@@ -87,12 +92,29 @@ class Liveness:
             # other node goes silent and the agent gives up at the re-rendezvous.
             with contextlib.suppress(Exception):
                 self.store.add(f"{ALIVE}{self.node}", 1)
+                if self._advancing:
+                    self._advancing = False
+                    self.store.add(f"{PROGRESS}{self.node}", 1)
                 for g in list(self._seen):
                     value = self.store.add(f"{ALIVE}{g}", 0)
+                    moved = self.store.add(f"{PROGRESS}{g}", 0)
                     with self._lock:
                         if value != self._seen[g][0]:
                             self._seen[g] = (value, time.monotonic())
+                        if moved != self._progress[g][0]:
+                            self._progress[g] = (moved, time.monotonic())
             self._stop.wait(self.interval_s)
+
+    def advancing(self) -> None:
+        """Some local rank advanced: tell the other nodes at the next beat."""
+        self._advancing = True
+
+    def remote_progress_age(self) -> float:
+        """Seconds since any other node last reported a rank advancing (since start if
+        none did yet)."""
+        now = time.monotonic()
+        with self._lock:
+            return min((now - t for _, t in self._progress.values()), default=float("inf"))
 
     def lost(self) -> Tuple[List[int], float]:
         """(nodes silent for longer than the timeout, the longest silence in seconds)."""

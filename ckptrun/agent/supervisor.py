@@ -26,6 +26,7 @@ import time
 from typing import Dict, List, Optional
 
 from ckptrun import protocol as P
+from ckptrun.agent.downtime import RecoveryClock
 from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
@@ -76,6 +77,7 @@ class Agent:
         self.events = EventLog(self.run_dir, echo=to_stderr)
         self.token = secrets.token_hex(6)  # distinct per agent: two agents on one host
         self.hang = HangDetector(cfg.hang_timeout)
+        self.clock = RecoveryClock()
         self.workers: List[Worker] = []
         self.tiers: List[Tier] = []  # nearest first; built for each membership (join_round)
         self.failures: List[dict] = []
@@ -131,7 +133,9 @@ class Agent:
                 outcome = self._supervise()
             except NodeLost as lost:
                 outcome = lost
+                self.clock.failed(at=time.monotonic() - lost.silent_s)
             self._stop_group(isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN)
+            self.clock.stopped()
             if isinstance(outcome, NodeLost):
                 if not replace_nodes(self, outcome):
                     return 1
@@ -188,6 +192,7 @@ class Agent:
         self.launcher.schedule_spares({lr: self._slot_prefix(rank)
                                        for lr, rank in enumerate(self._ranks())})
         self._started = True
+        self.clock.started()
         for tier in self.tiers:
             tier.attempt_started(attempt)
         self.state = "running"
@@ -267,6 +272,7 @@ class Agent:
                     self._fail(w, event="worker_failed", **how)
                     seen.append((w.global_rank, describe_how(how),
                                  error_message(self._error_file(w))))
+                self.clock.failed(at=self._last_sign_of_life([w for w, _ in failed]))
                 if self.loops.failed(signature(seen), self._progressed()):
                     self.events.emit("restart_loop", attempt=attempt, failures=self.loops.count,
                                      ranks=[r for r, _, _ in seen], how=seen[0][1],
@@ -285,6 +291,7 @@ class Agent:
                 self.live.check()  # raises NodeLost
             epoch = self.coord.poll()
             if epoch != self.epoch:
+                self.clock.failed()  # another node's failure: counted from here
                 return epoch  # another node failed: restart here too
             rollback = read_json(os.path.join(self.run_dir, "rollback.json"))
             if rollback is not None:  # ``ckptrun restore --rollback N``: not a failure
@@ -294,7 +301,7 @@ class Agent:
             self._write_status()
 
     def _check_control(self, codes) -> Optional[Epoch]:
-        now, restored, hung = time.monotonic(), [], []
+        now, restored = time.monotonic(), []
         for w, code in zip(self.workers, codes):
             rec = self.control.record(w.local_rank)
             if rec["fatal"]:
@@ -305,20 +312,42 @@ class Agent:
             restored.append(rec)
             self._note_interval(w, rec)
             if code is not None:
+                self.hang.gone(w.local_rank)
                 continue
-            self.hang.observe(w.local_rank, rec["beats"], rec["heartbeat"])
-            silent = self.hang.check(w.local_rank, rec["phase"], now)
-            if silent is not None:
-                hung.append((w, round(silent, 3)))
-        if hung:  # ranks waiting on a hung peer are silent too: report all, dump all
-            for w, silent in hung:
-                self.events.emit("hang_detected", rank=w.global_rank, seconds_silent=silent,
-                                 attempt=self.epoch.attempt)
-                self._fail(w, event="hang_detected", seconds_silent=silent)
+            self.hang.observe(w.local_rank, rec["beats"], rec["heartbeat"], rec["sampled"],
+                              rec["advanced"], rec["phase"])
+        remote_age = None
+        if self.live is not None:
+            if now - self.hang.local_progress(now) < 1.0:
+                self.live.advancing()  # the other nodes' verdicts count our progress
+            remote_age = self.live.remote_progress_age()
+        hang = self.hang.verdict(now, remote_age)
+        if hang is not None:  # the ranks that stopped, not the ones waiting on them
+            by_local = {w.local_rank: w for w in self.workers}
+            for lr in hang.ranks:
+                w = by_local[lr]
+                self.events.emit("hang_detected", rank=w.global_rank,
+                                 seconds_silent=hang.silent_s, attempt=self.epoch.attempt,
+                                 why="deadlock" if hang.deadlock else "stopped")
+                self._fail(w, event="hang_detected", seconds_silent=hang.silent_s)
+            self.clock.failed(at=now - hang.silent_s, now=now)
             self._dump_stacks()
             return self.coord.report_failure(self.epoch.attempt)
         self._note_restored(restored)
+        recovered = self.clock.finish(restored)
+        if recovered is not None:
+            self.events.emit("recovered", attempt=self.epoch.attempt,
+                             step=int(self.restore.get("step", 0) or 0),
+                             tier=self.restore.get("tier"), **recovered)
         return None
+
+    def _last_sign_of_life(self, workers: List[Worker]) -> Optional[float]:
+        """When the first of ``workers`` was last seen alive (its progress sampler or its
+        heartbeat, monotonic); None when none of them ever reported."""
+        seen = [max(rec["sampled"], rec["heartbeat"]) for w in workers
+                for rec in [self.control.record(w.local_rank)]]
+        seen = [t for t in seen if t > 0]
+        return min(seen) if seen else None
 
     def _note_restored(self, records) -> None:
         """``restored`` once every worker's ``restore()`` returned (also when one died soon

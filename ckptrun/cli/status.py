@@ -134,7 +134,26 @@ def load_status(run_dir: str, now: Optional[float] = None) -> Dict[str, Any]:
                 w["heartbeat_age_s"] = round(w["heartbeat_age_s"] + lag, 3)
     if not st.get("failures"):
         st["failures"] = [e for e in events if e.get("event") in FAILURE_EVENTS][-RECENT_FAILURES:]
+    st.update(_recoveries(events, finished, now))
     return st
+
+
+def _recoveries(events: List[Dict[str, Any]], finished: List[Dict[str, Any]], now: float
+                ) -> Dict[str, Any]:
+    """``last_recovery`` (the newest ``recovered`` event) and ``training_time``: the time
+    since the start, the downtime of its recoveries, and what is left -- time training."""
+    recovered = [e for e in events if e.get("event") == "recovered"
+                 and isinstance(e.get("downtime_s"), (int, float))]
+    start = events[0].get("time") if events and events[0].get("event") == "start" else None
+    out: Dict[str, Any] = {"last_recovery": dict(recovered[-1]) if recovered else None}
+    if isinstance(start, (int, float)):
+        end = finished[-1].get("time") if finished else now
+        elapsed = max(0.0, float(end or now) - start)
+        down = sum(float(e["downtime_s"]) for e in recovered)
+        out["training_time"] = {"elapsed_s": round(elapsed, 3), "downtime_s": round(down, 3),
+                                "effective_s": round(max(0.0, elapsed - down), 3),
+                                "recoveries": len(recovered)}
+    return out
 
 
 def _agent_is_here(st: Dict[str, Any]) -> bool:
@@ -228,6 +247,16 @@ def render(st: Dict[str, Any], now: Optional[float] = None):
     tiers.add_row("storage", _fmt(ck.get("persisted_step")),
                   _fmt(ck.get("persisted_url") or st.get("persist_to")))
     parts.append(tiers)
+    tt = st.get("training_time")
+    if isinstance(tt, dict) and tt.get("elapsed_s"):
+        share = 100.0 * tt["effective_s"] / tt["elapsed_s"]
+        line = (f"training {tt['effective_s']:.1f} s of {tt['elapsed_s']:.1f} s ({share:.0f}%); "
+                f"{tt['recoveries']} recover{'y' if tt['recoveries'] == 1 else 'ies'}, "
+                f"{tt['downtime_s']:.2f} s down")
+        last = st.get("last_recovery")
+        if isinstance(last, dict):
+            line += f"; last: {describe(last)}"
+        parts.append(Text(line))
     failures = st.get("failures") or []
     if failures:
         table = Table(title="recent failures", title_justify="left")

@@ -15,7 +15,7 @@ from typing import Optional
 
 CONTROL_MAGIC = b"CKPTCTL1"
 CONTROL_HEADER_SIZE = 64  # magic(8) nranks(u32) reserved
-RECORD_SIZE = 128
+RECORD_SIZE = 192
 
 
 class Phase:
@@ -54,6 +54,13 @@ _FIELDS = {
     # default) and, under "auto", the measured share of training time it costs.
     "snapshot_every": (116, "i"),
     "snapshot_overhead": (120, "d"),
+    # The worker's progress sampler (``ckptrun.worker.progress``): time.monotonic() of its
+    # last sample -- it stops when the process is stopped -- and of the last sample that
+    # found the main thread advancing (running, or at another bytecode than before).
+    "sampled": (128, "d"),
+    "advanced": (136, "d"),
+    # time.monotonic() of this process's first save(): the end of a recovery's downtime
+    "first_step_at": (144, "d"),
 }
 
 

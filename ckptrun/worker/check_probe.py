@@ -1,5 +1,5 @@
 """The worker's side of ``ckptrun check`` (``ckptrun.protocol.check``): a fingerprint of
-every committed snapshot, the injected kill, and the stop after step K.
+every committed snapshot, the scheduled faults, and the stop after step K.
 
 Only active when the check command set ``CKPTRUN_CHECK_LOG``; a normal job never builds one.
 The fingerprint is taken from the slot after the commit -- what a restore would read -- so a
@@ -11,26 +11,40 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ckptrun.protocol import new_checksum
-from ckptrun.protocol.check import ENV_CHECK_KILL, ENV_CHECK_LOG, ENV_CHECK_STEPS, log_path
+from ckptrun.protocol.check import (
+    ENV_CHECK_FAULTS,
+    ENV_CHECK_LAUNCH,
+    ENV_CHECK_LOG,
+    ENV_CHECK_STEPS,
+    OLD_VALUES_ENTRY,
+    VALUES_ENTRY,
+    Fault,
+    claim,
+    claims,
+    log_path,
+    read_schedule,
+)
+
+
+class InjectedFault(RuntimeError):
+    """What a ``raise`` fault raises out of ``save()``."""
 
 
 class CheckProbe:
-    """Fingerprints snapshots into the check log; kills or stops the worker when told."""
+    """Fingerprints snapshots into the check log; injects faults and stops when told."""
 
-    def __init__(self, directory: str, rank: int, kill: Optional[str], steps: Optional[str]):
+    def __init__(self, directory: str, rank: int, faults: Optional[str], steps: Optional[str]):
         self.rank = rank
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.launch = int(os.environ.get(ENV_CHECK_LAUNCH, "0") or 0)
         self._log = open(log_path(directory, rank), "a", buffering=1)  # noqa: SIM115
-        self.kill_step: Optional[int] = None
-        if kill and self.attempt == 0:
-            step, _, who = kill.partition(":")
-            if int(who) == rank:
-                self.kill_step = int(step)
+        self._faults_dir = faults
+        self._schedule: List[Fault] = read_schedule(faults) if faults else []
         self.stop_step = int(steps) if steps else None
 
     @classmethod
@@ -38,12 +52,12 @@ class CheckProbe:
         directory = os.environ.get(ENV_CHECK_LOG)
         if not directory:
             return None
-        return cls(directory, rank, os.environ.get(ENV_CHECK_KILL),
+        return cls(directory, rank, os.environ.get(ENV_CHECK_FAULTS),
                    os.environ.get(ENV_CHECK_STEPS))
 
     def committed(self, step: int, meta: Dict[str, Any], views: List[Any]) -> None:
-        """Log the fingerprint of ``step``; then the kill (rank R after save(S), first
-        attempt) or the stop (every rank after save(K))."""
+        """Log the fingerprint of ``step``; then this rank's next fault if it is due, or the
+        stop (every rank after save(K))."""
         tensors = [_digest(v.reshape(-1).view(torch.uint8).numpy() if v.numel() else b"")
                    for v in views]
         paths = [d["path"] for d in meta["tensors"]]
@@ -51,15 +65,68 @@ class CheckProbe:
         # are compared path by path
         entries = {name: _digest(json.dumps(sub, sort_keys=True).encode())
                    for name, sub in _entries(meta["tree"])}
+        done = claims(self._faults_dir) if self._schedule else {}
         self._log.write(json.dumps({"step": step, "rank": self.rank, "attempt": self.attempt,
+                                    "launch": self.launch, "faults_before": len(done),
                                     "entries": entries,
                                     "tensors": dict(zip(paths, tensors))}) + "\n")
-        if step == self.kill_step:
-            self._log.close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        fault = self._due(step, done)
+        if fault is not None:
+            self._inject(fault, step, views)
         if self.stop_step is not None and step >= self.stop_step:
             self._log.close()
             os._exit(0)  # every rank stops here: nothing after step K is compared
+
+    def _due(self, step: int, done: Dict[int, Tuple[int, int, int]]) -> Optional[Fault]:
+        """This rank's fault to inject now, claimed; None when the next one is not ours or
+        not yet due.  ``done``: the faults injected so far (step, launch, attempt)."""
+        if not self._schedule:
+            return None
+        pending = [f for f in self._schedule if f.index not in done]
+        if not pending or pending[0].rank != self.rank:
+            return None
+        fault = pending[0]
+        last = done[max(done)] if done else (0, -1, -1)
+        if step < fault.step or step <= last[0]:  # training advances between two faults
+            return None
+        if (self.launch, self.attempt) <= last[1:]:
+            return None  # the attempt the previous fault hit: it is being torn down
+        if not claim(self._faults_dir, fault.index, step, self.launch, self.attempt):
+            return None
+        return fault
+
+    def _inject(self, fault: Fault, step: int, views: List[Any]) -> None:
+        kind = fault.kind
+        if kind == "raise":
+            raise InjectedFault(f"ckptrun check: fault {fault.index} injected after "
+                                f"save({step}) on rank {self.rank}")
+        self._log.close()
+        me, agent = os.getpid(), os.getppid()
+        if kind == "stop":
+            os.kill(me, signal.SIGSTOP)
+        elif kind == "term":
+            os.kill(agent, signal.SIGTERM)  # preemption: the agent forwards it to us
+        elif kind == "agent":
+            os.kill(agent, signal.SIGKILL)
+            os.kill(me, signal.SIGKILL)
+        elif kind == "corrupt":
+            _flip_one_byte(views)
+            os.kill(me, signal.SIGKILL)
+        else:  # "kill"
+            os.kill(me, signal.SIGKILL)
+        # a stopped rank that is resumed, or one waiting for the forwarded SIGTERM, goes on
+        # without a log: nothing it saves from here on is this timeline's
+        self._log = open(os.devnull, "w")  # noqa: SIM115
+
+
+def _flip_one_byte(views: List[Any]) -> None:
+    """Flip a byte in the middle of the largest tensor of the committed slot (the views
+    alias it): the restore must notice the checksum and use another copy."""
+    big = max((v for v in views if v.numel()), key=lambda v: v.numel() * v.element_size(),
+              default=None)
+    if big is not None:
+        raw = big.reshape(-1).view(torch.uint8)
+        raw[raw.numel() // 2] ^= 0x10
 
 
 def _digest(data: Any) -> str:
@@ -73,8 +140,8 @@ def _entries(tree: Any):
     (``values.batch``), since each of them is a thing the script gave by name."""
     for key, sub in tree.get("d", []) if isinstance(tree, dict) else []:
         name = key if isinstance(key, str) else json.dumps(key)
-        if name in ("values", "__ckptrun_values__") and isinstance(sub, dict) and "d" in sub:
+        if name in (VALUES_ENTRY, OLD_VALUES_ENTRY) and isinstance(sub, dict) and "d" in sub:
             for k2, sub2 in sub["d"]:
-                yield f"values.{k2 if isinstance(k2, str) else json.dumps(k2)}", sub2
+                yield f"{VALUES_ENTRY}.{k2 if isinstance(k2, str) else json.dumps(k2)}", sub2
         else:
             yield name, sub

@@ -36,6 +36,7 @@ from ckptrun.protocol import (
     Phase,
     SlotState,
 )
+from ckptrun.protocol.check import OLD_VALUES_ENTRY, VALUES_ENTRY
 from ckptrun.snapshot.slots import (
     CopyPlan,
     SlotWrite,
@@ -56,7 +57,7 @@ from ckptrun.worker.stale import StaleNumbers
 from ckptrun.worker.standalone import StandalonePersister
 
 RNG_KEY = "rng"
-VALUES_KEY = "values"  # what the script gave to save(step, **values)
+VALUES_KEY = VALUES_ENTRY  # what the script gave to save(step, **values)
 
 
 class Checkpointer:
@@ -81,7 +82,7 @@ class Checkpointer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._rng_key = RNG_KEY if RNG_KEY not in state else "__ckptrun_rng__"
-        self._values_key = VALUES_KEY if VALUES_KEY not in state else "__ckptrun_values__"
+        self._values_key = VALUES_KEY if VALUES_KEY not in state else OLD_VALUES_ENTRY
         #: the values of the last ``save(step, **values)``, or the restored ones
         self.values: Dict[str, Any] = {}
         self._stale = StaleNumbers(state)
@@ -115,6 +116,7 @@ class Checkpointer:
         self._last_step: Optional[int] = None  # the last step given to save() ...
         self._last_snap: Optional[int] = None  # ... and the last one snapshotted
         self._shown_every = 1 if self._interval.mode == "1" else 0  # reported to the agent
+        self._stepped = False
         for opt in S.find_optimizers(self._view()):
             self._hook(opt)
 
@@ -142,6 +144,9 @@ class Checkpointer:
                              "restored'; in a loop over range(start, total) call "
                              "save(step + 1)")
         self.values = values
+        if not self._stepped:  # the first step this process made: the end of a recovery
+            self._stepped = True
+            self._ctl("first_step_at", time.monotonic())
         iv = self._interval
         due = iv.due(step)
         self._last_step = step

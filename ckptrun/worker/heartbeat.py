@@ -11,6 +11,7 @@ import os
 from typing import Optional, Tuple
 
 from ckptrun.protocol import ENV_CONTROL, ControlBlock, Phase
+from ckptrun.worker.progress import sample_progress
 
 _link: Optional[Tuple[ControlBlock, int]] = None
 _looked = False
@@ -29,6 +30,7 @@ def worker_link() -> Optional[Tuple[ControlBlock, int]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     block = ControlBlock(path)
     block.set(local_rank, "pid", os.getpid())
+    sample_progress(block, local_rank)  # the agent tells waiting from hung by it
     _link = (block, local_rank)
     return _link
 

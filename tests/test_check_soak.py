@@ -1,0 +1,75 @@
+"""``ckptrun check --faults N``: the fault soak injects every kind of fault into one run
+(the command run again after the agent is killed or preempted) and proves nothing was lost
+-- every snapshot, replays included, bitwise equal to a run without faults; a loop that does
+not resume exactly is caught by the soak too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptrun.cli.soak import schedule
+from ckptrun.protocol.check import KINDS, claim, injected
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+LOOPS = os.path.join(ROOT, "tests", "scripts", "check_loops.py")
+
+
+def soak(tmp_path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptrun.cli", "check", "--standalone",
+                           "--nproc-per-node", str(nproc), "--run-dir", str(tmp_path / "soak"),
+                           "--json", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_schedule_spreads_every_kind_over_distinct_steps_and_is_repeatable():
+    faults = schedule(20, list(KINDS), 40, 3, seed=7)
+    assert faults == schedule(20, list(KINDS), 40, 3, seed=7)
+    steps = [f.step for f in faults]
+    assert steps == sorted(set(steps)) and 4 <= steps[0] and steps[-1] <= 39
+    counts = {k: sum(f.kind == k for f in faults) for k in KINDS}
+    assert min(counts.values()) >= 3 and max(counts.values()) <= 4, counts
+    assert {f.rank for f in faults} <= {0, 1, 2} and len({f.rank for f in faults}) > 1
+    assert [f.index for f in faults] == list(range(20))
+
+
+def test_a_fault_is_claimed_once(tmp_path):
+    assert claim(str(tmp_path), 3, 12) is True
+    assert claim(str(tmp_path), 3, 13) is False  # a restarted worker does not inject it again
+    assert injected(str(tmp_path)) == {3: 12}
+
+
+@pytest.mark.slow
+def test_a_soak_of_every_kind_at_three_ranks_loses_nothing(tmp_path):
+    """CI's short soak: 12 faults, two of each kind (``make soak`` runs 100)."""
+    proc = soak(tmp_path, 3, "--hang-timeout", "3", "--faults", "12", "--seed", "5",
+                "--steps", "30", TRAIN, "--width", "64", "--steps", "30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    got = json.loads(proc.stdout)
+    assert got["exact"] is True and got["injected"] == got["requested"] == 12, got
+    assert got["faults"] == {k: 2 for k in KINDS} or sorted(got["faults"].values()) == [2] * 6
+    # every agent or SIGTERM fault ended a launch; the command was run again each time
+    assert got["launches"] == 1 + got["faults"]["agent"] + got["faults"]["term"], got
+    # restores came from memory (a rank lost, the corrupted copy skipped) and from storage
+    # (a new agent after the old one was killed or preempted)
+    assert got["restores"].get("memory", 0) >= 3 and got["restores"].get("storage", 0) >= 2, got
+    assert got["steps_replayed"] >= 1, got
+    for line in ("fault 1/12:", "fault 12/12:", "the command again, launch 2",
+                 "the soak run adds --max-restarts 14"):
+        assert line in proc.stderr, proc.stderr[-3000:]
+    assert "--hang-timeout 10" not in proc.stderr  # the command line's own is kept
+
+
+@pytest.mark.slow
+def test_a_soak_catches_a_loop_that_does_not_resume_exactly(tmp_path):
+    proc = soak(tmp_path, 2, "--faults", "2", "--kinds", "kill", "--seed", "3", LOOPS,
+                "--mode", "prefetch")
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    got = json.loads(proc.stdout)
+    assert got["exact"] is False and got["deterministic"] is True, got
+    assert "model" in got["divergent_entries"], got
+    assert "after fault 1 (kill on rank" in got["hint"], got["hint"]
