@@ -6,9 +6,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
-# two pytest workers: most of a test's time is spent waiting (process start-up, detection
-# timeouts, a machine lost); each file stays on one worker (its module fixtures are shared)
-PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: demo test test-fast test-services lint soak bench bench-quick clean
 
@@ -24,7 +21,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed test-services
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
-	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its
 # own server on loopback ports).  Best effort: without root or apt the test is skipped.  The

@@ -122,6 +122,31 @@ def settled_layout(ddp: torch.nn.parallel.DistributedDataParallel,
     return buckets if flat == list(range(nparams)) else None  # not our index space: unusable
 
 
+def settle_now(ddp: torch.nn.parallel.DistributedDataParallel,
+               nparams: int) -> Optional[List[List[int]]]:
+    """The settled layout read from the reducer's buckets, regrouping them now if DDP has
+    not yet (after its first backward; DDP itself would at the next forward, with the same
+    result).  None before the first backward, or when DDP never regroups
+    (``find_unused_parameters`` without a static graph).
+
+    Why now: a snapshot of step 1 or 2 is taken before DDP regrouped, or before its logging
+    data says so; a process restored from it could not reduce its first iteration as the run
+    it replaces did.  The regrouping agrees the order across ranks (a broadcast from rank 0):
+    every rank snapshots the same step, so every rank is here."""
+    try:
+        if ddp.reducer._rebuild_buckets():
+            ddp._has_rebuilt_buckets = True  # what DDP's forward records when it regroups
+        if not getattr(ddp, "_has_rebuilt_buckets", False):
+            return None
+        buckets = sorted(ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index())
+        where = {p.data_ptr(): i for i, p in enumerate(reducer_params(ddp))}
+        layout = [[where[t.data_ptr()] for t in b.parameters()] for b in buckets]
+    except Exception:  # noqa: BLE001  (a torch without these internals: no layout)
+        return None
+    flat = sorted(i for b in layout for i in b)
+    return layout if flat == list(range(nparams)) else None
+
+
 class BucketLayouts:
     """A snapshot entry: the bucket layout each DDP module of the state settled on; restoring
     one arms :class:`FirstIterationAsSettled` on the restored process's DDP.
@@ -154,7 +179,8 @@ class BucketLayouts:
         ddps = self.ddps()
         for key, ddp in ddps.items():
             if key not in self._known:  # read until DDP has settled: then it is for good
-                got = settled_layout(ddp, len(reducer_params(ddp)))
+                n = len(reducer_params(ddp))
+                got = settled_layout(ddp, n) or settle_now(ddp, n)
                 if got is not None:
                     self._known[key] = got
         return {"buckets": {k: self._known.get(k) for k in ddps}}

@@ -51,6 +51,10 @@ class AgentConfig:
     redirects: str = "0"  # torchrun Std spec: 0 none, 1 stdout, 2 stderr, 3 both, or "0:1,1:2"
     tee: str = "0"
     local_ranks_filter: Optional[Set[int]] = None
+    duplicate_stdout_filters: List[str] = field(default_factory=list)  # -> filtered_stdout.log
+    duplicate_stderr_filters: List[str] = field(default_factory=list)
+    event_log_handler: str = "null"  # torch.distributed.elastic.events handler for our events
+    virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES = the worker's GPU
 
     # --- ckptrun's own options -----------------------------------------------------------
     run_dir: str = ""  # resolved by args.py: ckptrun-runs/<run-id> by default

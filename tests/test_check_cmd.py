@@ -15,16 +15,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPS = os.path.join(ROOT, "tests", "scripts", "check_loops.py")
 
 
-def check(tmp_path, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def check(tmp_path, *args: str, timeout: int = 400, nproc: int = 2
+          ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ckptrun.cli", "check", "--standalone",
-                           "--nproc-per-node", "2", "--run-dir", str(tmp_path / "check"),
+                           "--nproc-per-node", str(nproc), "--run-dir", str(tmp_path / "check"),
                            *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args,message", [
     (["--rank", "5", LOOPS], "--rank 5 is outside 0..1"),
     (["--steps", "4", "--fail-at", "4", LOOPS], "--fail-at 4 must be before --steps 4"),
-    (["--faults", "20", "--steps", "10", LOOPS], "--faults 20 needs at least 24 steps"),
+    (["--faults", "20", "--steps", "10", LOOPS], "--faults 20 needs at least 21 steps"),
     (["--faults", "3", "--kinds", "kill,bogus", LOOPS], "--kinds takes a comma-separated"),
     (["--faults", "0", LOOPS], "--faults must be >= 1"),
     (["--faults", "3", "--fail-at", "2", LOOPS], "--fail-at/--rank name a single failure"),
@@ -53,7 +54,7 @@ def test_a_correct_loop_is_exact(tmp_path):
     ("nondeterministic", False, "the job is not deterministic"),
 ])
 def test_each_mistake_is_named(tmp_path, mode, deterministic, named):
-    proc = check(tmp_path, "--json", LOOPS, "--mode", mode)
+    proc = check(tmp_path, "--json", LOOPS, "--mode", mode, nproc=1)  # one rank shows it
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     got = json.loads(proc.stdout)
     assert got["exact"] is False and got["deterministic"] is deterministic, got

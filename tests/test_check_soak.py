@@ -30,7 +30,7 @@ def test_the_schedule_spreads_every_kind_over_distinct_steps_and_is_repeatable()
     faults = schedule(20, list(KINDS), 40, 3, seed=7)
     assert faults == schedule(20, list(KINDS), 40, 3, seed=7)
     steps = [f.step for f in faults]
-    assert steps == sorted(set(steps)) and 4 <= steps[0] and steps[-1] <= 39
+    assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] <= 39
     counts = {k: sum(f.kind == k for f in faults) for k in KINDS}
     assert min(counts.values()) >= 3 and max(counts.values()) <= 4, counts
     assert {f.rank for f in faults} <= {0, 1, 2} and len({f.rank for f in faults}) > 1
@@ -45,31 +45,31 @@ def test_a_fault_is_claimed_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_soak_of_every_kind_at_three_ranks_loses_nothing(tmp_path):
-    """CI's short soak: 12 faults, two of each kind (``make soak`` runs 100)."""
-    proc = soak(tmp_path, 3, "--hang-timeout", "3", "--faults", "12", "--seed", "5",
-                "--steps", "30", TRAIN, "--width", "64", "--steps", "30")
+    """CI's short soak: one fault of each kind at 3 ranks (``make soak`` runs 100; the
+    closing note of issue 13 reports a 20-fault run)."""
+    proc = soak(tmp_path, 3, "--hang-timeout", "3", "--faults", "6", "--seed", "5",
+                "--steps", "16", TRAIN, "--width", "64", "--steps", "16")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     got = json.loads(proc.stdout)
-    assert got["exact"] is True and got["injected"] == got["requested"] == 12, got
-    assert got["faults"] == {k: 2 for k in KINDS} or sorted(got["faults"].values()) == [2] * 6
-    # every agent or SIGTERM fault ended a launch; the command was run again each time
-    assert got["launches"] == 1 + got["faults"]["agent"] + got["faults"]["term"], got
+    assert got["exact"] is True and got["injected"] == got["requested"] == 6, got
+    assert got["faults"] == {k: 1 for k in got["faults"]} and set(got["faults"]) == set(KINDS)
+    # the agent and the SIGTERM faults each ended a launch; the command was run again
+    assert got["launches"] == 3, got
     # restores came from memory (a rank lost, the corrupted copy skipped) and from storage
-    # (a new agent after the old one was killed or preempted)
-    assert got["restores"].get("memory", 0) >= 3 and got["restores"].get("storage", 0) >= 2, got
-    assert got["steps_replayed"] >= 1, got
-    for line in ("fault 1/12:", "fault 12/12:", "the command again, launch 2",
-                 "the soak run adds --max-restarts 14"):
+    # (a new agent after the old one was preempted, or killed after a persisted step)
+    assert got["restores"].get("memory", 0) >= 2 and got["restores"].get("storage", 0) >= 1, got
+    for line in ("fault 1/6:", "fault 6/6:", "the command again, launch 2",
+                 "the soak run adds --max-restarts 8"):
         assert line in proc.stderr, proc.stderr[-3000:]
     assert "--hang-timeout 10" not in proc.stderr  # the command line's own is kept
 
 
 @pytest.mark.slow
 def test_a_soak_catches_a_loop_that_does_not_resume_exactly(tmp_path):
-    proc = soak(tmp_path, 2, "--faults", "2", "--kinds", "kill", "--seed", "3", LOOPS,
+    proc = soak(tmp_path, 1, "--faults", "2", "--kinds", "kill", "--seed", "3", LOOPS,
                 "--mode", "prefetch")
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     got = json.loads(proc.stdout)
     assert got["exact"] is False and got["deterministic"] is True, got
     assert "model" in got["divergent_entries"], got
-    assert "after fault 1 (kill on rank" in got["hint"], got["hint"]
+    assert "after fault " in got["hint"] and "(kill on rank 0 at step" in got["hint"], got

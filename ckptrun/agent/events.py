@@ -42,9 +42,13 @@ class EventLog:
     concurrent writers never interleave within a line.
     """
 
-    def __init__(self, run_dir: str, echo: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, run_dir: str, echo: Optional[Callable[[str], None]] = None,
+                 forward_to: str = "null") -> None:
         self.run_dir = ensure_run_dir(run_dir)
         self.echo = echo  # gets :func:`describe`'s line for the events a person should see
+        # --event-log-handler: every event also goes to that torch.distributed.elastic.events
+        # handler, as torchrun's own agent events do ("null": nowhere)
+        self.forward_to = forward_to
         self.path = os.path.join(self.run_dir, EVENTS_FILE)
         self._lock = threading.Lock()  # one write at a time from this process's threads
         self._fd: Optional[int] = os.open(
@@ -73,6 +77,8 @@ class EventLog:
         text = describe(record) if self.echo is not None else None
         if text:
             self.echo(text)
+        if self.forward_to != "null":
+            _forward(record, self.forward_to)
         return record
 
     def close(self) -> None:
@@ -143,6 +149,20 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
     if kind == "finished" and e.get("exit_code"):
         return f"the job failed (exit code {e['exit_code']})"
     return None
+
+
+def _forward(record: Dict[str, Any], destination: str) -> None:
+    """``record`` as a torch elastic ``Event`` named ``ckptrun.<event>`` (source AGENT)."""
+    try:
+        from torch.distributed.elastic.events import Event, EventSource
+        from torch.distributed.elastic.events import record as send
+
+        metadata = {k: v if isinstance(v, (str, int, float, bool)) or v is None
+                    else json.dumps(v, default=str) for k, v in record.items() if k != "event"}
+        send(Event(name=f"ckptrun.{record['event']}", source=EventSource.AGENT,
+                   timestamp=int(record["time"]), metadata=metadata), destination=destination)
+    except Exception:  # a handler's failure must not stop the agent
+        pass
 
 
 def to_stderr(text: str) -> None:

@@ -4,11 +4,13 @@ lines prefixed ``[rank<N>]: ``), and the threads that copy the worker pipes ther
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO, Dict, List, Optional
+from string import Template
+from typing import IO, Dict, List, Optional, Tuple
 
 from ckptrun.config import AgentConfig
 
@@ -22,6 +24,9 @@ class StreamRoute:
     to_file: bool  # write into <attempt dir>/<local_rank>/<name>.log
     to_console: bool  # copy to the agent's console with ``prefix``
     prefix: str = ""
+    # --duplicate-<name>-filters: console lines holding any of these also go to
+    # <attempt dir>/filtered_<name>.log (all ranks in one file, as torchrun)
+    filters: Tuple[str, ...] = ()
 
     @property
     def piped(self) -> bool:
@@ -47,10 +52,21 @@ def stream_routes(cfg: AgentConfig, local_rank: int, global_rank: int) -> Dict[s
     """
     shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
     explicit = bool(cfg.log_dir) or cfg.redirects not in ("0", "") or cfg.tee not in ("0", "")
+    template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+
+    def header(default: str) -> str:  # torchrun's template, with its three names
+        if not template:
+            return default
+        return Template(template).safe_substitute(role_name=cfg.role, rank=global_rank,
+                                                  local_rank=local_rank)
+
+    filters = {"stdout": tuple(cfg.duplicate_stdout_filters),
+               "stderr": tuple(cfg.duplicate_stderr_filters)}
     routes = {}
     if not explicit:
         for name in ("stdout", "stderr"):
-            routes[name] = StreamRoute(True, shown, f"[rank{global_rank}]: ")
+            routes[name] = StreamRoute(True, shown, header(f"[rank{global_rank}]: "),
+                                       filters[name] if shown else ())
         return routes
     redirects = _parse_std(cfg.redirects or "0", cfg.nproc_per_node)[local_rank]
     tee = _parse_std(cfg.tee or "0", cfg.nproc_per_node)[local_rank]
@@ -58,8 +74,9 @@ def stream_routes(cfg: AgentConfig, local_rank: int, global_rank: int) -> Dict[s
         teed = bool(tee & bit)
         to_file = bool(redirects & bit) or teed
         to_console = shown and (teed or not to_file)
-        prefix = f"[{cfg.role}{local_rank}]:" if teed else ""
-        routes[name] = StreamRoute(to_file, to_console, prefix)
+        prefix = header(f"[{cfg.role}{local_rank}]:") if teed else ""
+        routes[name] = StreamRoute(to_file, to_console, prefix,
+                                   filters[name] if teed and shown else ())
     return routes
 
 
@@ -67,9 +84,11 @@ class Pump(threading.Thread):
     """Copies a worker's pipe to its log file and/or the console, line by line."""
 
     def __init__(self, fd: int, log: Optional[IO[bytes]], console: Optional[IO[bytes]],
-                 prefix: bytes):
+                 prefix: bytes, dup: Optional[IO[bytes]] = None,
+                 filters: Tuple[bytes, ...] = ()):
         super().__init__(daemon=True, name="ckptrun-log")
         self.fd, self.log, self.console, self.prefix = fd, log, console, prefix
+        self.dup, self.filters = dup, filters
 
     def run(self) -> None:
         pending = b""
@@ -93,6 +112,8 @@ class Pump(threading.Thread):
         os.close(self.fd)
         if self.log is not None:
             self.log.close()
+        if self.dup is not None:
+            self.dup.close()
 
     def _label(self, line: bytes) -> bytes:
         # torch's own excepthook already starts a distributed worker's traceback lines
@@ -100,6 +121,13 @@ class Pump(threading.Thread):
         return line if line.startswith(self.prefix) else self.prefix + line
 
     def _show(self, data: bytes) -> None:
+        if self.dup is not None:
+            picked = [ln for ln in data.splitlines(keepends=True)
+                      if any(f in ln for f in self.filters)]
+            if picked:  # O_APPEND, one write: the ranks' lines do not interleave
+                with contextlib.suppress(OSError, ValueError):
+                    self.dup.write(b"".join(picked))
+                    self.dup.flush()
         with _console_lock:
             try:
                 self.console.write(data)
@@ -123,7 +151,12 @@ def attach_pumps(reads: Dict[str, Optional[int]], routes: Dict[str, StreamRoute]
         console = None
         if r.to_console:
             console = (sys.stdout if name == "stdout" else sys.stderr).buffer
-        pump = Pump(fd, log, console, r.prefix.encode())
+        dup = None
+        if console is not None and r.filters:
+            dup = os.fdopen(os.open(os.path.join(os.path.dirname(log_dir), f"filtered_{name}.log"),
+                                    os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "wb")
+        pump = Pump(fd, log, console, r.prefix.encode(), dup,
+                    tuple(f.encode() for f in r.filters))
         pump.start()
         pumps.append(pump)
     return pumps

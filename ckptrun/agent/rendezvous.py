@@ -322,4 +322,13 @@ def torchrun_env(cfg: AgentConfig, *, local_rank: int, group_rank: int, group_wo
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "LOCAL_RANK": str(local_rank), "TORCHELASTIC_ERROR_FILE": error_file,
     }
+    if cfg.virtual_local_rank:  # as torchrun: every worker sees its own GPU as device 0
+        env["LOCAL_RANK"] = "0"
+        visible = os.getenv("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible is not None else [str(i) for i in range(
+            cfg.nproc_per_node)]
+        if local_rank >= len(gpus):
+            raise ValueError(f"local_rank {local_rank} exceeds available GPUs in "
+                             f"CUDA_VISIBLE_DEVICES={visible}")
+        env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank]
     return env

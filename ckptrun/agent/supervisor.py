@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 from ckptrun import protocol as P
 from ckptrun.agent.downtime import RecoveryClock
 from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
+from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
 from ckptrun.agent.reaper import Reaper, unlink_shm
@@ -74,10 +75,11 @@ class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         self.run_dir = ensure_run_dir(cfg.run_dir)
-        self.events = EventLog(self.run_dir, echo=to_stderr)
+        self.events = EventLog(self.run_dir, echo=to_stderr, forward_to=cfg.event_log_handler)
         self.token = secrets.token_hex(6)  # distinct per agent: two agents on one host
         self.hang = HangDetector(cfg.hang_timeout)
         self.clock = RecoveryClock()
+        self.exits: List[Exit] = []  # the last attempt's workers that exited with an error
         self.workers: List[Worker] = []
         self.tiers: List[Tier] = []  # nearest first; built for each membership (join_round)
         self.failures: List[dict] = []
@@ -167,6 +169,7 @@ class Agent:
         logs = os.path.join(self._log_root(), f"attempt_{attempt}")
         os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
         self.hang.reset()
+        self.exits = []
         self.workers = []
         for lr, rank in enumerate(self._ranks()):
             self.control.reset(lr)
@@ -179,7 +182,8 @@ class Agent:
                 use_agent_store=info.use_agent_store,
                 error_file=os.path.join(rank_logs, "error.json")))
             env.update({
-                P.ENV_CONTROL: self.control.path, P.ENV_SLOT_PREFIX: self._slot_prefix(rank),
+                P.ENV_CONTROL: self.control.path, P.ENV_LOCAL_RANK: str(lr),
+                P.ENV_SLOT_PREFIX: self._slot_prefix(rank),
                 P.ENV_NUM_SLOTS: str(cfg.num_slots), P.ENV_RESTORE: json.dumps(self.restore),
                 P.ENV_RUN_DIR: self.run_dir,
                 P.ENV_STACKS_FILE: stacks_path(self.run_dir, attempt, rank),
@@ -273,6 +277,8 @@ class Agent:
                     seen.append((w.global_rank, describe_how(how),
                                  error_message(self._error_file(w))))
                 self.clock.failed(at=self._last_sign_of_life([w for w, _ in failed]))
+                self.exits = [Exit(w.global_rank, w.local_rank, w.pid, c, self._error_file(w))
+                              for w, c in failed]
                 if self.loops.failed(signature(seen), self._progressed()):
                     self.events.emit("restart_loop", attempt=attempt, failures=self.loops.count,
                                      ranks=[r for r, _, _ in seen], how=seen[0][1],
@@ -428,6 +434,9 @@ class Agent:
             with contextlib.suppress(Exception):
                 self._write_status(force=True)
             self.events.emit("finished", exit_code=code)
+            if code == 1 and self.stopped_by is None and self.exits:
+                with contextlib.suppress(Exception):  # as torchrun: the first failure's story
+                    sys.stderr.write(failure_summary(self.cfg.script, self.exits) + "\n")
             self.memory.cleanup()
             self.control.close()
             unlink_shm(self.token)

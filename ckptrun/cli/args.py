@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Set, Tuple
@@ -168,10 +169,15 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     min_nodes, max_nodes = _nnodes(trun, ns.nnodes)
     nproc = _nproc(trun, ns.nproc_per_node)
     _check_script(ns)
+    _refuse_unsupported(ns)
     if ns.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
 
     backend, endpoint, rdzv_id = ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id
+    if ns.standalone and (endpoint or backend not in ("static", "c10d")):
+        given = ([f"--rdzv-backend {backend}"] if backend not in ("static", "c10d") else []) + \
+            ([f"--rdzv-endpoint {endpoint}"] if endpoint else [])
+        _warn(f"--standalone runs its own store on this machine: {' '.join(given)} is not used")
     if ns.standalone:
         backend, endpoint, rdzv_id = "c10d", "localhost:0", run_id
     elif backend == "static" and not endpoint and ns.master_port is None and max_nodes == 1:
@@ -192,8 +198,10 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     persist_to = _absolute_url(ns.persist_to or os.path.join(run_dir, "checkpoints"))
     every_steps, every_seconds = parse_persist_every(ns.persist_every)
     cfg = AgentConfig(
-        script=ns.training_script, script_args=list(ns.training_script_args), module=ns.module,
-        no_python=ns.no_python, run_path=ns.run_path, nproc_per_node=nproc,
+        # --run-path runs the script as a Python file whatever -m/--no-python say (torchrun)
+        script=ns.training_script, script_args=list(ns.training_script_args),
+        module=ns.module and not ns.run_path, no_python=ns.no_python and not ns.run_path,
+        run_path=ns.run_path, nproc_per_node=nproc,
         min_nodes=min_nodes, max_nodes=max_nodes, rdzv_backend=backend, rdzv_endpoint=endpoint,
         rdzv_id=rdzv_id, rdzv_configs=rdzv_configs, standalone=ns.standalone,
         node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=master_port,
@@ -203,6 +211,10 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         signals_to_handle=ns.signals_to_handle, log_dir=ns.log_dir,
         redirects=_std(ns.redirects, "--redirects"), tee=_std(ns.tee, "--tee"),
         local_ranks_filter=_ranks_filter(ns.local_ranks_filter), run_dir=run_dir,
+        duplicate_stdout_filters=list(ns.duplicate_stdout_filters or []),
+        duplicate_stderr_filters=list(ns.duplicate_stderr_filters or []),
+        event_log_handler=_event_log_handler(ns.event_log_handler),
+        virtual_local_rank=bool(ns.virtual_local_rank),
         persist_to=persist_to, persist_every_steps=every_steps,
         persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
         replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
@@ -211,10 +223,46 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         replication_budget=_replication_budget(ns.replication_budget),
         snapshot_every=_snapshot_every(ns.snapshot_every),
     )
+    if max_nodes == 1 and cfg.replicas and ns.replicas not in (None, _OWN_DEFAULTS["replicas"]):
+        _warn(f"--replicas {cfg.replicas}: this job runs on one machine, so there is no other "
+              "machine to hold copies (memory and storage only)")
+    elif max_nodes > 1 and cfg.replicas > max_nodes - 1:
+        _warn(f"--replicas {cfg.replicas}: with at most {max_nodes} machines each snapshot has "
+              f"at most {max_nodes - 1} copies elsewhere")
     from ckptrun.cli.preflight import check_environment
 
     check_environment(cfg)
     return cfg, ns
+
+
+def _warn(text: str) -> None:
+    print(f"ckptrun: warning: {text}", file=sys.stderr)
+
+
+def _refuse_unsupported(ns: argparse.Namespace) -> None:
+    """torchrun options that cannot apply to ckptrun's agent: refused, never ignored."""
+    if getattr(ns, "logs_specs", None):
+        raise UsageError(f"--logs-specs {ns.logs_specs}: ckptrun writes the worker logs itself "
+                         "(--log-dir, --redirects, --tee, --local-ranks-filter, "
+                         "--duplicate-*-filters work as in torchrun); a custom LogsSpecs "
+                         "class cannot be plugged in")
+    if getattr(ns, "numa_binding", None):
+        raise UsageError(f"--numa-binding {ns.numa_binding}: not supported by ckptrun yet; "
+                         "bind the workers yourself (e.g. --no-python with numactl)")
+
+
+def _event_log_handler(name: Optional[str]) -> str:
+    """A registered ``torch.distributed.elastic.events`` handler name ("null": none)."""
+    name = name or "null"
+    if name != "null":
+        from torch.distributed.elastic.events.handlers import get_logging_handler
+
+        try:
+            get_logging_handler(name)
+        except KeyError:
+            raise UsageError(f"--event-log-handler {name!r} is not a registered handler "
+                             "(torch.distributed.elastic.events: console, null, ...)") from None
+    return name
 
 
 def _snapshot_every(text: Optional[str]) -> str:

@@ -40,10 +40,7 @@ from ckptrun.protocol.check import KINDS, RERUN_KINDS, Fault, injected
 
 SOAK_HANG_TIMEOUT_S = 10
 SOAK_PERSIST_EVERY = 5
-# The first fault comes after step 3, so that every restore is from step 3 or later: DDP
-# regroups its buckets only after its first iterations, and a snapshot taken before it had
-# (steps 1-2) cannot give a restored process the layout to reduce in (docs/adapters.md).
-FIRST_FAULT_STEP = 4
+FIRST_FAULT_STEP = 1  # a fault may come right after the first save
 
 
 def parse_kinds(text: Optional[str]) -> List[str]:
@@ -78,9 +75,8 @@ def soak_main(cfg: AgentConfig, ns: argparse.Namespace, argv: List[str]) -> int:
         raise UsageError("--fail-at/--rank name a single failure; a soak (--faults) picks "
                          "its own steps and ranks (give --seed to repeat one)")
     if ns.steps is not None and n > ns.steps - FIRST_FAULT_STEP:
-        raise UsageError(f"--faults {n} needs at least {n + FIRST_FAULT_STEP} steps (the "
-                         f"first fault comes after step {FIRST_FAULT_STEP - 1}); --steps is "
-                         f"{ns.steps}")
+        raise UsageError(f"--faults {n} needs at least {n + FIRST_FAULT_STEP} steps (one "
+                         f"fault per step, none at the last); --steps is {ns.steps}")
     seed = ns.seed if ns.seed is not None else random.SystemRandom().randrange(1 << 31)
     base = ns.run_dir or tempfile.mkdtemp(prefix="ckptrun-soak-")
     launcher = launcher_args(argv, ns)
@@ -94,9 +90,8 @@ def soak_main(cfg: AgentConfig, ns: argparse.Namespace, argv: List[str]) -> int:
         return broken(ref, ns.as_json)
     steps = ns.steps or ref.last_step()
     if n > steps - FIRST_FAULT_STEP:
-        raise UsageError(f"--faults {n} needs at least {n + FIRST_FAULT_STEP} steps (the "
-                         f"first fault comes after step {FIRST_FAULT_STEP - 1}); the script "
-                         f"ends at step {steps}")
+        raise UsageError(f"--faults {n} needs at least {n + FIRST_FAULT_STEP} steps (one "
+                         f"fault per step, none at the last); the script ends at step {steps}")
     faults = schedule(n, kinds, steps, world, seed)
     soak, launches = _soak_runs(base, soak_launcher, ns, steps, faults)
     records = read_records(f"{soak.directory}/check")

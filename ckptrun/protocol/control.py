@@ -85,7 +85,9 @@ class ControlBlock:
             for r in range(nranks):
                 self.reset(r)
         else:
-            fd = os.open(path, os.O_RDWR)
+            from ckptrun.protocol.shm import open_private
+
+            fd = open_private(path, os.O_RDWR)
             try:
                 self._mm = mmap.mmap(fd, 0)
             finally:

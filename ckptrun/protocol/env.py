@@ -4,6 +4,8 @@ The worker side reads these; the agent sets them (``ckptrun.agent.supervisor``).
 """
 
 ENV_CONTROL = "CKPTRUN_CONTROL"  # path of the node's control block file
+ENV_LOCAL_RANK = "CKPTRUN_LOCAL_RANK"  # this worker's record there (LOCAL_RANK may be
+# 0 for every worker under --virtual-local-rank)
 ENV_SLOT_PREFIX = "CKPTRUN_SLOT_PREFIX"  # path prefix of this rank's slot files (+ "<k>")
 ENV_NUM_SLOTS = "CKPTRUN_NUM_SLOTS"  # slots per rank
 ENV_RESTORE = "CKPTRUN_RESTORE"  # JSON {"step": N, "tier": "memory|peer|storage"}; step 0 = none

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from typing import Dict, Iterator, Optional, Tuple
 
 SHM_DIR = "/dev/shm"
@@ -49,9 +50,27 @@ def create_shm_file(path: str, size: int, prefault: bool = True) -> mmap.mmap:
     return mm
 
 
+def open_private(path: str, flags: int) -> int:
+    """``os.open`` of an existing file that must be this user's own private regular file.
+
+    Anyone on the machine can create files under ``/dev/shm`` with the names ckptrun uses:
+    a symlink planted there must not make us write through it (``O_NOFOLLOW``), and another
+    user's file -- or one others can read or write -- must not receive a snapshot or feed a
+    restore.  Raises ``PermissionError`` naming the file otherwise."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 \
+            or st.st_nlink != 1:
+        os.close(fd)
+        raise PermissionError(f"ckptrun: refusing {path}: not a private file of this user "
+                              f"(owner {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}, "
+                              f"links {st.st_nlink})")
+    return fd
+
+
 def open_shm_file(path: str, populate: bool = False, write: bool = True) -> mmap.mmap:
-    """Map an existing shared-memory file (whole length)."""
-    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+    """Map an existing shared-memory file (whole length); only this user's private file."""
+    fd = open_private(path, os.O_RDWR if write else os.O_RDONLY)
     try:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
@@ -78,8 +97,8 @@ class ShmMaps:
             return old[1]
         self._maps.pop(path, None)
         try:
-            fd = os.open(path, os.O_RDWR if self.write else os.O_RDONLY)
-        except OSError:
+            fd = open_private(path, os.O_RDWR if self.write else os.O_RDONLY)
+        except OSError:  # gone, or not ours to trust (PermissionError): no copy here
             return None
         try:
             st = os.fstat(fd)

@@ -69,13 +69,15 @@ def _warm_up(go_fd: int) -> None:
     import gc
     import select
 
+    if select.select([go_fd], [], [], 0)[0]:
+        # A cold start imports nothing: the script meets a fresh interpreter, as under
+        # ``python script.py`` -- environment it sets before ``import torch`` (thread
+        # counts, allocator settings) applies, and a module it shadows is its own.
+        return
     import torch
     import torch.distributed  # noqa: F401  (process groups, DDP)
     import torch.nn  # noqa: F401
 
-    if select.select([go_fd], [], [], 0)[0]:
-        gc.freeze()  # see below; without the full collection, which costs ~0.15 s
-        return
     p = torch.nn.Parameter(torch.zeros(4))
     for opt_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         opt = opt_cls([p], lr=0.1)
@@ -134,18 +136,63 @@ def _run(go: dict) -> None:
 
     argv = list(go["argv"])
     os.chdir(go["cwd"])
+    sys.path.insert(0, "")  # sys.path[0]: set below, as ``python`` sets it
     if go["kind"] == "module":
         sys.path[0] = os.getcwd()  # what ``python -m`` puts first
         sys.argv = ["-m", *argv[1:]]  # runpy replaces argv[0] with the module's file
         runpy.run_module(go["target"], run_name="__main__", alter_sys=True)
     else:
-        script = go["target"]
+        # ``python x.py``'s __file__ is absolute (3.9+): joined to the cwd, not normalised
+        target = go["target"]
+        script = target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
         sys.path[0] = os.path.dirname(os.path.realpath(script))
         sys.argv = argv
-        runpy.run_path(script, run_name="__main__")
+        if os.path.isfile(script) and not _is_zip(script):
+            _run_file(script)
+        else:  # a directory or zip archive with __main__.py
+            runpy.run_path(script, run_name="__main__")
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+def _run_file(script: str) -> None:
+    """Run ``script`` as ``python script.py`` does: a fresh ``__main__`` module whose
+    ``__file__`` is the absolute path, ``sys.argv[0]`` left as typed (``runpy.run_path``
+    would replace it with the path it was given)."""
+    import builtins
+    import types
+    from importlib.machinery import SourceFileLoader
+
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script, __builtins__=builtins, __spec__=None,
+                         __loader__=SourceFileLoader("__main__", script), __package__=None)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def _set_title(go: dict) -> None:
+    """``ps``/``pgrep -f train.py`` show the user's command, as for torchrun's workers."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    argv = list(go["argv"])
+    head = ["-m", go["target"]] if go["kind"] == "module" else [argv[0]]
+    setproctitle(" ".join([sys.executable, "-u", *head, *argv[1:]]))
 
 
 def main() -> None:
+    # ``python -m`` put the current directory first on sys.path; what the bootstrap imports
+    # must not come from there (a ``typing_extensions.py`` beside the script would shadow
+    # the real one for torch).  The script's own sys.path[0] is set in :func:`_run`.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     args = sys.argv[1:]
     go_fd = int(args[args.index("--go-fd") + 1])
     if "--nice" in args:
@@ -166,6 +213,7 @@ def main() -> None:
         from ckptrun.worker.slotset import drop_premapped
 
         drop_premapped(go["env"].get("CKPTRUN_SLOT_PREFIX") or None)
+    _set_title(go)  # before the environment is replaced: setproctitle needs the original
     _apply_env(go["env"], go.get("nice", 0))
     stacks = os.environ.get("CKPTRUN_STACKS_FILE")
     if stacks:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
-from ckptrun.protocol import ENV_CONTROL, ControlBlock, Phase
+from ckptrun.protocol import ENV_CONTROL, ENV_LOCAL_RANK, ControlBlock, Phase
 from ckptrun.worker.progress import sample_progress
 
 _link: Optional[Tuple[ControlBlock, int]] = None
@@ -27,7 +27,7 @@ def worker_link() -> Optional[Tuple[ControlBlock, int]]:
     if not path:
         _link = None
         return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get(ENV_LOCAL_RANK) or os.environ.get("LOCAL_RANK", "0"))
     block = ControlBlock(path)
     block.set(local_rank, "pid", os.getpid())
     sample_progress(block, local_rank)  # the agent tells waiting from hung by it

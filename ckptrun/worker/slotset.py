@@ -20,6 +20,7 @@ from ckptrun.protocol import (
     SlotState,
     create_shm_file,
     data_offset_for,
+    open_private,
     open_shm_file,
     slot_path,
 )
@@ -136,7 +137,7 @@ class SlotSet:
             path = slot_path(self.prefix, k)
             if os.path.exists(path):
                 # Grow in place (same inode): a reader holding the old map stays valid.
-                fd = os.open(path, os.O_RDWR)
+                fd = open_private(path, os.O_RDWR)
                 try:
                     os.ftruncate(fd, size)
                     os.posix_fallocate(fd, 0, size)

@@ -1,0 +1,147 @@
+"""torchrun parity: the scenarios of PyTorch's own launcher tests, in our words, run
+against both launchers -- what the script sees, ``--run-path``, ``--virtual-local-rank``,
+the log line template and duplicate filters, the failure summary of a ``@record`` entry
+point -- and the torchrun options ckptrun cannot apply, refused with one line."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE = os.path.join(ROOT, "tests", "scripts", "parity_probe.py")
+BIN = os.path.dirname(sys.executable)
+LAUNCHERS = ["torchrun", "ckptrun"]
+
+
+def launch(launcher: str, tmp_path, *args: str, env=None, cwd=None, timeout=120):
+    """The installed console script, as a user types it (``python -m`` would put the
+    current directory first on the launcher's own sys.path)."""
+    os.makedirs(tmp_path, exist_ok=True)
+    cmd = [os.path.join(BIN, launcher), "--standalone"]
+    if launcher == "ckptrun":
+        cmd += ["--run-dir", str(tmp_path / "run")]
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd or str(tmp_path))
+
+
+def probes(out: str) -> dict:
+    got = {}
+    for line in out.splitlines():
+        if "PROBE " in line:
+            rec = json.loads(line.split("PROBE ", 1)[1])
+            got[rec["rank"]] = rec
+    return got
+
+
+@pytest.mark.slow
+def test_the_script_sees_what_python_script_py_shows(tmp_path):
+    """From a directory holding a module that shadows one torch needs: the launchers import
+    nothing from it; ``__file__`` is absolute, ``sys.argv[0]`` as typed, ``sys.path[0]`` the
+    script's directory, torch not imported before the script (its thread count set before
+    ``import torch`` applies), and ``pgrep -f`` finds the worker by the script's name."""
+    work, scripts = tmp_path / "work", tmp_path / "scripts"
+    work.mkdir()
+    scripts.mkdir()
+    shutil.copy(PROBE, scripts / "probe.py")
+    (work / "typing_extensions.py").write_text("raise ImportError('the shadowing module')\n")
+    seen = {}
+    for launcher in LAUNCHERS:
+        proc = launch(launcher, tmp_path / launcher, "--nproc-per-node", "2",
+                      "../scripts/probe.py", "--mode", "show", cwd=str(work))
+        assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
+        seen[launcher] = probes(proc.stdout)
+    assert seen["ckptrun"] == seen["torchrun"], seen
+    for rec in seen["ckptrun"].values():
+        assert rec["file"] == os.path.join(str(work), "../scripts/probe.py"), rec  # as python
+        assert rec["argv"][0] == "../scripts/probe.py" and rec["path0"] == str(scripts), rec
+        assert not rec["torch_preloaded"] and rec["threads"] == 1 and rec["pgrep_finds_me"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_run_path_overrides_no_python(tmp_path, launcher):
+    proc = launch(launcher, tmp_path, "--nproc-per-node", "1", "--run-path", "--no-python",
+                  PROBE, "--mode", "show")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert probes(proc.stdout)[0]["argv"][1:] == ["--mode", "show"]
+
+
+@pytest.mark.slow
+def test_virtual_local_rank_gives_each_worker_its_gpu_as_device_0(tmp_path):
+    seen = {}
+    for launcher in LAUNCHERS:
+        proc = launch(launcher, tmp_path / launcher, "--nproc-per-node", "2",
+                      "--virtual-local-rank", PROBE, "--mode", "show",
+                      env={"CUDA_VISIBLE_DEVICES": "5,7"})
+        assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
+        seen[launcher] = {r: (p["local_rank"], p["cuda_visible"])
+                          for r, p in probes(proc.stdout).items()}
+    assert seen["ckptrun"] == seen["torchrun"] == {0: ("0", "5"), 1: ("0", "7")}, seen
+
+
+@pytest.mark.slow
+def test_line_prefix_template_and_duplicate_filters(tmp_path):
+    """``--tee 3`` lines carry TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE's header; lines holding a
+    filter word are also in ``<log dir>/<run>/attempt_0/filtered_stdout.log``, all ranks."""
+    env = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}:${rank}:${local_rank}>"}
+    for launcher in LAUNCHERS:
+        logs = tmp_path / launcher / "logs"
+        proc = launch(launcher, tmp_path / launcher, "--nproc-per-node", "2", "--log-dir",
+                      str(logs), "--tee", "3", "--duplicate-stdout-filters", "needle", PROBE,
+                      "--mode", "lines", env=env)
+        assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
+        for rank in (0, 1):
+            assert f"<default:{rank}:{rank}>rank {rank} says hay" in proc.stdout, proc.stdout
+        (filtered,) = glob.glob(str(logs / "*" / "attempt_0" / "filtered_stdout.log"))
+        lines = sorted(open(filtered).read().splitlines())
+        assert lines == [f"<default:{r}:{r}>rank {r} says needle" for r in (0, 1)], (
+            launcher, lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_failed_job_ends_with_torchruns_failure_summary(tmp_path, launcher):
+    proc = launch(launcher, tmp_path, "--nproc-per-node", "2", "--max-restarts", "0", PROBE,
+                  "--mode", "fail")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    for text in ("parity_probe.py FAILED", "Root Cause (first observed failure):",
+                 "rank      : 1 (local_rank: 1)", "ValueError: parity probe failed on purpose"):
+        assert text in err, (launcher, text, err[-3000:])
+    root = err.split("Root Cause (first observed failure):", 1)[1]
+    assert "error_file: <N/A>" not in root  # @record wrote it, and it was read
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--logs-specs", "mine"], "--logs-specs mine: ckptrun writes the worker logs itself"),
+    (["--numa-binding", "node"], "--numa-binding node: not supported by ckptrun yet"),
+    (["--event-log-handler", "nowhere"], "--event-log-handler 'nowhere' is not a registered"),
+])
+def test_options_that_cannot_apply_are_refused_in_one_line(tmp_path, args, message):
+    proc = launch("ckptrun", tmp_path, "--nproc-per-node", "1", *args, PROBE, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptrun: error: "), proc.stderr
+    assert message in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_warnings_for_options_standalone_overrides_and_events_to_a_torch_handler(tmp_path):
+    proc = launch("ckptrun", tmp_path, "--nproc-per-node", "1", "--rdzv-endpoint",
+                  "10.0.0.1:29400", "--replicas", "5", "--event-log-handler", "console",
+                  PROBE, "--mode", "show")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("ckptrun: warning: --standalone runs its own store on this machine: "
+            "--rdzv-endpoint 10.0.0.1:29400 is not used") in proc.stderr
+    assert "ckptrun: warning: --replicas 5: this job runs on one machine" in proc.stderr
+    names = [json.loads(line)["name"] for line in proc.stderr.splitlines()
+             if line.startswith('{"name": "ckptrun.')]
+    assert names[0] == "ckptrun.start" and names[-1] == "ckptrun.finished", proc.stderr
