@@ -14,16 +14,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "examples")  # the adapter examples double as test jobs
 
 
-def run(cmd: List[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run(cmd: List[str], timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
 def ckptrun_job(run_dir: str, script: str, *args: str, nproc: int = 2) -> List[dict]:
     """Run ``script`` under ``ckptrun --standalone``; returns the run's events."""
+    # a job without an injected failure has no use for warm spares
+    failing = any(a.startswith("--crash") for a in args)
     run([sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", str(nproc),
-         "--run-dir", run_dir, os.path.join(SCRIPTS, script), *args])
+         "--run-dir", run_dir, os.path.join(SCRIPTS, script), *args],
+        env=None if failing else {"CKPTRUN_WARM_SPARES": "0"})
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 

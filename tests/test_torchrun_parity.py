@@ -66,6 +66,22 @@ def test_the_script_sees_what_python_script_py_shows(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_restarted_worker_still_takes_the_thread_count_set_before_import_torch(tmp_path):
+    """ckptrun restarts a worker in a warm spare that imported torch already; the
+    OMP_NUM_THREADS the script sets before its own ``import torch`` applies all the same."""
+    for launcher in LAUNCHERS:
+        proc = launch(launcher, tmp_path / launcher, "--nproc-per-node", "2",
+                      "--max-restarts", "1", PROBE, "--mode", "restart",
+                      env={"CKPTRUN_SPARE_DELAY": "0.5"})
+        assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
+        got = probes(proc.stdout)
+        assert {r["attempt"] for r in got.values()} == {"1"}, got
+        assert all(r["threads"] == 1 for r in got.values()), (launcher, got)
+        if launcher == "ckptrun":  # the restart was a warm spare's: torch came first
+            assert all(r["torch_preloaded"] for r in got.values()), got
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_run_path_overrides_no_python(tmp_path, launcher):
     proc = launch(launcher, tmp_path, "--nproc-per-node", "1", "--run-path", "--no-python",

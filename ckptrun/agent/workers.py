@@ -204,28 +204,37 @@ class WorkerLauncher:
         argv = [cfg.script, *script_args(cfg, local_rank)]
         spare = self._take_spare(local_rank, routes)
         warm = spare is not None
-        if spare is None:
-            spare = self._spawn_bootstrap(local_rank, routes, env)
         msg = go_message(cfg, env, argv)
-        if warm and self._spare_nice:
-            # At full priority before it wakes: a niced spare waits behind every busy
-            # process for the CPU it needs to read "go" (~35 ms here under load).
-            renice(spare.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
-        with contextlib.suppress(BrokenPipeError):  # died meanwhile: its exit code tells
-            os.write(spare.go_fd, msg)  # < pipe buffer (64 KiB) for any sane environment
+        if spare is None:
+            # "go" is in the pipe before the process exists: it sees a cold start for sure
+            # (and imports nothing before the script), however slow the machine
+            spare = self._spawn_bootstrap(local_rank, routes, env, go=msg)
+        else:
+            if self._spare_nice:
+                # At full priority before it wakes: a niced spare waits behind every busy
+                # process for the CPU it needs to read "go" (~35 ms here under load).
+                renice(spare.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            with contextlib.suppress(BrokenPipeError):  # died meanwhile: its exit code tells
+                os.write(spare.go_fd, msg)  # < pipe buffer (64 KiB) for any sane environment
         os.close(spare.go_fd)
         pumps = attach_pumps(spare.pipes, routes, log_dir)
         return Worker(local_rank, global_rank, spare.proc, True, warm, pumps=pumps)
 
     def _spawn_bootstrap(self, local_rank: int, routes: Dict[str, StreamRoute],
                          env: Dict[str, str], nice: int = 0,
-                         slots: Optional[tuple] = None) -> _Spare:
+                         slots: Optional[tuple] = None, go: Optional[bytes] = None) -> _Spare:
         rfd, wfd = os.pipe()
+        early = go is not None and len(go) < 65536  # fits the pipe: no reader needed yet
+        if early:
+            os.write(wfd, go)
         try:
             proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots), env, routes,
                                  pass_fds=(rfd,))
         finally:
             os.close(rfd)
+        if go is not None and not early:
+            with contextlib.suppress(BrokenPipeError):
+                os.write(wfd, go)
         os.set_inheritable(wfd, False)
         self.on_spawn(proc.pid)
         return _Spare(local_rank, proc, wfd, reads)

@@ -107,6 +107,8 @@ def run_job(name: str, base: str, launcher: List[str], ns: argparse.Namespace,
     env[ENV_CHECK_LAUNCH] = str(launch)
     if steps:
         env[ENV_CHECK_STEPS] = str(steps)
+    if not faults:  # a run without a failure never restarts: warm spares would only cost
+        env.setdefault("CKPTRUN_WARM_SPARES", "0")
     if faults:
         env[ENV_CHECK_FAULTS] = os.path.join(run.directory, "faults")
         if launch == 0:

@@ -100,6 +100,9 @@ def _warm_up(go_fd: int) -> None:
     gc.freeze()
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _apply_env(env: dict, nice: int) -> None:
     os.environ.clear()
     os.environ.update(env)
@@ -108,6 +111,31 @@ def _apply_env(env: dict, nice: int) -> None:
         sys.modules["torch"].set_num_threads(int(threads))
     if os.getpriority(os.PRIO_PROCESS, 0) != nice:
         renice(os.getpid(), nice)  # a niced spare becomes a full-priority worker
+
+
+def _follow_thread_env(torch) -> None:  # type: ignore[no-untyped-def]
+    """A warm spare imported torch before the script ran; under ``python script.py`` a
+    thread count the script puts in ``os.environ`` before its own ``import torch`` applies.
+    So until the script imports torch, such an assignment sets torch's thread count too
+    (``os.environ[...] = ...`` goes through ``os.putenv``); after it, nothing changes, as
+    under python."""
+    import builtins
+
+    real_putenv, real_import = os.putenv, builtins.__import__
+
+    def putenv(key, value):  # type: ignore[no-untyped-def]
+        real_putenv(key, value)
+        name = key.decode() if isinstance(key, bytes) else key
+        text = value.decode() if isinstance(value, bytes) else value
+        if name in THREAD_VARS and text.strip().isdigit() and int(text) > 0:
+            torch.set_num_threads(int(text))
+
+    def watching_import(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "torch" or name.startswith("torch."):  # the script's own import
+            os.putenv, builtins.__import__ = real_putenv, real_import
+        return real_import(name, *args, **kwargs)
+
+    os.putenv, builtins.__import__ = putenv, watching_import
 
 
 def _register_stack_dump(path: str):
@@ -222,6 +250,8 @@ def main() -> None:
     from ckptrun.worker.clean_exit import collect_at_exit
 
     collect_at_exit()  # DDP/FSDP process groups go before shutdown, not in it
+    if "torch" in sys.modules:  # a warm spare: last, nothing of ours imports torch after it
+        _follow_thread_env(sys.modules["torch"])
     try:
         _run(go)
     except SystemExit:
@@ -248,6 +278,10 @@ def _mark_done() -> None:
         from ckptrun.worker.heartbeat import heartbeat
 
         heartbeat(phase=Phase.DONE)
+        from ckptrun.worker.progress import sampler
+
+        if sampler() is not None:  # DONE is not watched: end the thread before teardown
+            sampler().stop()
     except Exception:
         pass
 

@@ -13,11 +13,14 @@ than the ones waiting.
 
 No per-bytecode hook (``sys.settrace``) is installed: the cost is one ``sys._current_frames``
 call and one small ``/proc`` read per sample.  Started once per process, only under the ckptrun
-agent (with a control block), the first time the worker talks to it.
+agent (with a control block), the first time the worker talks to it; it runs as long as the process (a script may
+still compute after ``Checkpointer.close()``, and a silent sampler reads as a stopped
+process) and ends at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -35,6 +38,7 @@ class ProgressSampler:
         self._ident = main.ident
         self._stat = f"/proc/self/task/{main.native_id}/stat"
         self._last: Optional[Tuple[int, int, int]] = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ckptrun-progress", daemon=True)
 
     def start(self) -> ProgressSampler:
@@ -74,9 +78,15 @@ class ProgressSampler:
         # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'
         return data[data.rfind(b")") + 2:data.rfind(b")") + 3] == b"R"
 
+    def stop(self) -> None:
+        """End the thread (at interpreter exit: a daemon thread still running while the
+        interpreter finalizes can abort the process)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+
     def _loop(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self._stop.wait(self.interval):
             self.sample()
 
 
@@ -88,5 +98,11 @@ def sample_progress(block, local_rank: int) -> None:
     global _sampler
     if _sampler is None:
         _sampler = ProgressSampler(block, local_rank).start()
+        atexit.register(_sampler.stop)
     else:
         _sampler.retarget(block, local_rank)
+
+
+def sampler() -> Optional[ProgressSampler]:
+    """This process's sampler, if it started one."""
+    return _sampler
