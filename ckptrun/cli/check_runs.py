@@ -162,12 +162,13 @@ def _read_prints(directory: str) -> Fingerprints:
     out: Fingerprints = {}
     for rec in read_records(directory):
         key = (rec["rank"], rec["step"])
-        if key not in out or _when(rec) >= _when(out[key]):
+        if key not in out or when(rec) >= when(out[key]):
             out[key] = rec
     return out
 
 
-def _when(rec: dict) -> Tuple[int, int]:
+def when(rec: dict) -> Tuple[int, int]:
+    """(launch, attempt) of a record: its place in a run's timeline."""
     return int(rec.get("launch", 0)), int(rec.get("attempt", 0))
 
 
@@ -205,6 +206,13 @@ def static_units(prints: Fingerprints) -> Dict[int, set]:
     return {rank: {u for u, hs in units.items() if len(hs) == 1} for rank, units in seen.items()}
 
 
+def differing_units(a: dict, b: dict, skip: set) -> List[str]:
+    """The units (see :func:`units`) whose digests differ between records ``a`` and ``b``,
+    sorted, ``skip`` left out."""
+    ua, ub = units(a), units(b)
+    return [u for u in sorted(set(ua) | set(ub)) if u not in skip and ua.get(u) != ub.get(u)]
+
+
 def first_difference(want: Fingerprints, got: Fingerprints, after: int, steps: int
                       ) -> Tuple[Optional[int], List[str], Dict[str, List[str]]]:
     """(first step > ``after`` whose fingerprints differ, the entries that differ there,
@@ -222,11 +230,7 @@ def first_difference(want: Fingerprints, got: Fingerprints, after: int, steps: i
             if b is None:
                 entries.append(f"(rank {r} never saved step {step})")
                 continue
-            skip = a_static.get(r, set()) & b_static.get(r, set())
-            ua, ub = units(a), units(b)
-            for unit in sorted(set(ua) | set(ub)):
-                if unit in skip or ua.get(unit) == ub.get(unit):
-                    continue
+            for unit in differing_units(a, b, a_static.get(r, set()) & b_static.get(r, set())):
                 name = entry_of(unit)
                 if name not in entries:
                     entries.append(name)

@@ -25,6 +25,7 @@ from ckptrun.agent.events import read_events
 from ckptrun.cli.check_runs import (
     Run,
     broken,
+    differing_units,
     entry_of,
     launcher_args,
     read_records,
@@ -32,7 +33,7 @@ from ckptrun.cli.check_runs import (
     say,
     second_reference,
     static_units,
-    units,
+    when,
 )
 from ckptrun.cli.usage import UsageError
 from ckptrun.config import AgentConfig
@@ -170,15 +171,12 @@ def _verify(ref: Run, records: List[dict], faults: List[Fault], done: Dict[int, 
     static = static_units(ref.prints)
     result = {"exact": True, "first_divergent_step": None, "divergent_entries": [],
               "deterministic": True, "hint": ""}
-    order = sorted(records, key=lambda r: (r.get("launch", 0), r.get("attempt", 0),
-                                           r["step"], r["rank"]))
-    for rec in order:
+    for rec in sorted(records, key=lambda r: (*when(r), r["step"], r["rank"])):
         want = ref.prints.get((rec["rank"], rec["step"]))
         if want is None:
             continue  # past the reference's end
-        ua, ub = units(want), units(rec)
-        diff = sorted({entry_of(u) for u in set(ua) | set(ub)
-                       if u not in static.get(rec["rank"], set()) and ua.get(u) != ub.get(u)})
+        diff = sorted({entry_of(u) for u in
+                       differing_units(want, rec, static.get(rec["rank"], set()))})
         if diff:
             result.update(exact=False, first_divergent_step=rec["step"], divergent_entries=diff,
                           divergent_rank=rec["rank"])
