@@ -48,3 +48,16 @@ def ckptrun_run():
                               timeout=timeout, env=env, cwd=cwd)
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _cold_restarts_unless_marked(request, monkeypatch):
+    """Tests restart workers cold (``CKPTRUN_WARM_SPARES=0``) unless marked ``spares``.
+
+    Why: a warm spare per local rank imports torch in the background after every start,
+    several CPU-seconds each; on the 2-core CI machine that was a third of the suite's time.
+    The warm path keeps its own coverage: the tests marked ``spares`` (recovery end to end,
+    torchrun parity, orphans, the CI fault soak) run with the product's default.
+    """
+    if request.node.get_closest_marker("spares") is None:
+        monkeypatch.setenv("CKPTRUN_WARM_SPARES", "0")

@@ -10,7 +10,10 @@ import subprocess
 import time
 
 import psutil
+import pytest
 from conftest import SCRIPTS, ckptrun_cmd, job_shm_files, run_events
+
+pytestmark = pytest.mark.spares  # the spares are among the processes that must not outlive the agent
 
 TRAIN = os.path.join(SCRIPTS, "agent_train.py")
 

@@ -44,6 +44,7 @@ def test_a_fault_is_claimed_once(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.spares
 def test_a_soak_of_every_kind_at_three_ranks_loses_nothing(tmp_path):
     """CI's short soak: one fault of each kind at 3 ranks (``make soak`` runs 100; the
     closing note of issue 13 reports a 20-fault run)."""

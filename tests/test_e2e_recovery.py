@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "e2e_train.py")
 STEPS = 30
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spares]
 
 
 def run_job(run_dir: str, out: str, *script_args: str, ckptrun_args=(), timeout=240,

@@ -66,6 +66,7 @@ def test_the_script_sees_what_python_script_py_shows(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.spares
 def test_a_restarted_worker_still_takes_the_thread_count_set_before_import_torch(tmp_path):
     """ckptrun restarts a worker in a warm spare that imported torch already; the
     OMP_NUM_THREADS the script sets before its own ``import torch`` applies all the same."""
