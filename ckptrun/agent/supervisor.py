@@ -49,6 +49,11 @@ from ckptrun.tiers.memory.node import NodeMemory
 from ckptrun.tiers.restore_decision import decide_restore
 
 
+class ResumeRefused(Exception):
+    """``--resume-from`` names a checkpoint no step of which every rank can restore: the job
+    stops (exit 2) rather than train from scratch under a name that says it resumed."""
+
+
 class AgentSignal(Exception):
     """Raised in the main thread by the agent's signal handler."""
 
@@ -72,8 +77,9 @@ def _config_error(cfg: AgentConfig) -> Optional[str]:
 class Agent:
     """One node's supervisor; see the module docstring."""
 
-    def __init__(self, cfg: AgentConfig):
+    def __init__(self, cfg: AgentConfig, user_umask: int = 0o022):
         self.cfg = cfg
+        self.user_umask = user_umask  # the workers get it back: their files are as under torchrun
         self.run_dir = ensure_run_dir(cfg.run_dir)
         self.events = EventLog(self.run_dir, echo=to_stderr, forward_to=cfg.event_log_handler)
         self.token = secrets.token_hex(6)  # distinct per agent: two agents on one host
@@ -98,7 +104,7 @@ class Agent:
                                       create=True)
         self.memory = NodeMemory(self.token, self.cfg.num_slots)
         self.launcher = WorkerLauncher(self.cfg, agent_base_env(self.cfg),
-                                       on_spawn=self.reaper.watch)
+                                       on_spawn=self.reaper.watch, umask=self.user_umask)
         old = {s: signal.signal(s, self._on_signal) for s in _signals(self.cfg)}
         try:
             code = self._run()
@@ -133,6 +139,10 @@ class Agent:
             try:
                 self._start_group()
                 outcome = self._supervise()
+            except ResumeRefused as e:
+                print(f"ckptrun: error: {e}", file=sys.stderr)
+                self.events.emit("resume_refused", error=str(e))
+                return 2
             except NodeLost as lost:
                 outcome = lost
                 self.clock.failed(at=time.monotonic() - lost.silent_s)
@@ -165,6 +175,10 @@ class Agent:
         self.restored_emitted = False
         if attempt == 0 and self.restore.get("step"):  # the same command run again
             to_stderr(f"resuming from step {self.restore['step']} ({self.restore['tier']})")
+        elif attempt == 0 and cfg.resume_from:  # asked for a checkpoint: never a fresh start
+            why = next((t.rejected for t in self.tiers if getattr(t, "rejected", None)), None)
+            raise ResumeRefused(f"--resume-from {cfg.resume_from} cannot be restored: "
+                                f"{why or 'no step every rank can read'}")
         master_addr, port = self.coord.master_port(attempt, info, self._own_addr)
         logs = os.path.join(self._log_root(), f"attempt_{attempt}")
         os.makedirs(os.path.join(self.run_dir, "stacks"), mode=0o700, exist_ok=True)
@@ -452,10 +466,20 @@ def _signals(cfg: AgentConfig) -> List[int]:
         getattr(signal, n) for n in names if n.startswith("SIG") and hasattr(signal, n)})
 
 
-def run_agent(cfg: AgentConfig) -> int:
-    """Run one node's agent until the job ends; returns the process exit code."""
+def run_agent(cfg: AgentConfig, user_umask: Optional[int] = None) -> int:
+    """Run one node's agent until the job ends; returns the process exit code.
+    ``user_umask``: the user's, when the caller already set the agent's (0o077)."""
     err = _config_error(cfg)
     if err:
         print(f"ckptrun: error: {err}", file=sys.stderr)
         return 2
-    return Agent(cfg).run()
+    # What the agent writes -- run files, logs, a --persist-to directory -- is the user's
+    # alone, whatever the umask: checkpoints hold the whole training state.
+    own = user_umask is None
+    if own:
+        user_umask = os.umask(0o077)
+    try:
+        return Agent(cfg, user_umask).run()
+    finally:
+        if own:
+            os.umask(user_umask)

@@ -130,8 +130,9 @@ def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None) ->
 
 
 def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
-           pass_fds: tuple = (), cwd: Optional[str] = None):
-    """Popen with PDEATHSIG, its own process group, and pipes for captured streams."""
+           pass_fds: tuple = (), cwd: Optional[str] = None, umask: int = -1):
+    """Popen with PDEATHSIG, its own process group, pipes for captured streams and the
+    user's own umask (``-1``: the agent's)."""
     std: Dict[str, object] = {}
     reads: Dict[str, Optional[int]] = {}
     for name in ("stdout", "stderr"):
@@ -147,6 +148,7 @@ def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
         proc = subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=std["stdout"], stderr=std["stderr"],
             pass_fds=pass_fds, preexec_fn=_child_setup, process_group=0, close_fds=True,
+            umask=umask,
         )
     except BaseException:
         for fd in reads.values():
@@ -176,8 +178,10 @@ def script_args(cfg: AgentConfig, local_rank: int) -> List[str]:
 class WorkerLauncher:
     """Starts workers (from a warm spare when one is ready) and keeps spares for restarts."""
 
-    def __init__(self, cfg: AgentConfig, base_env: Dict[str, str], on_spawn=None):
+    def __init__(self, cfg: AgentConfig, base_env: Dict[str, str], on_spawn=None,
+                 umask: int = -1):
         self.cfg = cfg
+        self.umask = umask  # the user's: workers create files as they would under torchrun
         self.base_env = base_env  # the agent's environment + job-constant worker variables
         # knobs for measurements: CKPTRUN_WARM_SPARES=0 (cold restarts), CKPTRUN_SPARE_DELAY
         self.use_spares = os.environ.get("CKPTRUN_WARM_SPARES", "1") != "0" and not cfg.no_python
@@ -197,7 +201,8 @@ class WorkerLauncher:
         routes = stream_routes(self.cfg, local_rank, global_rank)
         cfg = self.cfg
         if cfg.no_python:
-            proc, reads = _spawn([cfg.script, *script_args(cfg, local_rank)], env, routes)
+            proc, reads = _spawn([cfg.script, *script_args(cfg, local_rank)], env, routes,
+                                 umask=self.umask)
             self.on_spawn(proc.pid)
             return Worker(local_rank, global_rank, proc, False, False,
                           pumps=attach_pumps(reads, routes, log_dir))
@@ -229,7 +234,7 @@ class WorkerLauncher:
             os.write(wfd, go)
         try:
             proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots), env, routes,
-                                 pass_fds=(rfd,))
+                                 pass_fds=(rfd,), umask=self.umask)
         finally:
             os.close(rfd)
         if go is not None and not early:

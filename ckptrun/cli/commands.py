@@ -33,6 +33,16 @@ def usage_error(message: str) -> int:
 
 def run_main(argv: List[str]) -> int:
     """Parse a run command line and hand it to the agent; returns the process exit code."""
+    # from the first check on (it creates --run-dir and --persist-to), what ckptrun writes is
+    # the user's alone; the workers get the user's umask back (agent.supervisor.run_agent)
+    user_umask = os.umask(0o077)
+    try:
+        return _run(argv, user_umask)
+    finally:
+        os.umask(user_umask)
+
+
+def _run(argv: List[str], user_umask: int) -> int:
     from ckptrun.cli.args import UsageError, parse
 
     try:
@@ -46,7 +56,7 @@ def run_main(argv: List[str]) -> int:
         logging.getLogger("torch").setLevel(logging.WARNING)
     from ckptrun.agent.supervisor import run_agent  # torch: only for ``run``
 
-    return int(run_agent(cfg))
+    return int(run_agent(cfg, user_umask))
 
 
 class _Group(click.Group):

@@ -60,9 +60,10 @@ def check_environment(cfg: AgentConfig) -> None:
 def _check_is_checkpoint(url: str) -> None:
     from ckptrun.tiers.durable import storage
 
-    if not storage.is_checkpoint(url):
-        raise UsageError(f"--resume-from {url} is not a ckptrun checkpoint "
-                         "(no step-<N>/ with a ckptrun.json)")
+    try:
+        storage.resolve(url)
+    except storage.StorageError as e:  # none there, or a damaged one: say which
+        raise UsageError(f"--resume-from {url} is not a ckptrun checkpoint: {e}") from None
 
 
 def _check_shm_room(cfg: AgentConfig) -> None:

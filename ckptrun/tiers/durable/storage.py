@@ -4,8 +4,9 @@ A step directory (any fsspec URL) holds ``__<node>_<k>.distcp`` (tensors, writte
 storage writer), DCP's ``.metadata`` (so plain ``dcp.load`` reads it without ckptrun) and
 ``ckptrun.json``, our JSON index, written LAST: a step without it does not exist.  DCP keys
 are ``rank<r>/<path>`` plus ``rank<r>/__ckptrun_meta__`` (uint8 tensor of the snapshot's JSON
-meta): tensors only.  Reading back never unpickles: the index gives each tensor's file,
-offset and length; each byte range goes through ``torch.load(weights_only=True)`` and its
+meta): tensors only.  Reading back never unpickles: the index (checked field by field,
+:mod:`.index`) gives each tensor's file, offset, length, shape and dtype; the tensor's bytes
+are found inside its ``torch.save`` blob by the zip headers alone (:mod:`.blob`) and their
 xxh3 checksum is verified.  Writing is split for multi-node jobs: each node calls
 :func:`write_parts` (its own ``__<node>_`` files, returns JSON-able :data:`PartInfo`), one
 process calls :func:`finalize`; :func:`write_step` does both on a single node.
@@ -14,8 +15,8 @@ process calls :func:`finalize`; :func:`write_step` does both on a single node.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
+import logging
 import os
 import posixpath
 import re
@@ -28,13 +29,16 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ckptrun.snapshot import shards
+from ckptrun.tiers.durable.blob import BlobError, tensor_from_blob
+from ckptrun.tiers.durable.index import FORMAT, IndexProblem, check_index
 
 Snapshot = Tuple[Dict[str, Any], List[torch.Tensor]]
 PartInfo = Dict[str, Any]  # JSON-able: {"node", "step", "ranks": {r: {...}}, "bytes", "seconds"}
 
+log = logging.getLogger(__name__)
+
 INDEX_NAME = "ckptrun.json"
 META_KEY = "__ckptrun_meta__"
-FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -226,19 +230,23 @@ def _rm_quiet(fs, path: str) -> None:
 
 
 def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
-    """``ckptrun.json`` of ``step``, ``None`` if missing/incomplete (``step=None``: ``url`` is the
-    step directory itself, any step accepted)."""
+    """``ckptrun.json`` of ``step``, ``None`` if there is none (``step=None``: ``url`` is the
+    step directory itself, any step accepted).  One that is there but malformed -- not JSON,
+    a field of the wrong type or out of bounds, a data file outside the directory -- raises
+    :class:`StorageError` saying what is wrong: such a step is damaged, not absent."""
     fs, sdir = _step_dir(url, step)
     path = posixpath.join(sdir, INDEX_NAME)
     try:
-        index = json.loads(fs.cat_file(path))
-    except (FileNotFoundError, ValueError):
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
         return None
     except OSError as e:
         raise StorageError(f"cannot read {path}: {_one_line(e)}") from e
-    ok = isinstance(index, dict) and index.get("format") == FORMAT \
-        and (step is None or index.get("step") == step)
-    return index if ok else None
+    try:
+        return check_index(json.loads(raw), step)
+    except (ValueError, RecursionError) as e:  # IndexProblem, JSONDecodeError, deep nesting
+        what = str(e) if isinstance(e, IndexProblem) else f"not JSON ({_one_line(e)})"
+        raise StorageError(f"{path} is malformed: {what}") from e
 
 
 def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
@@ -258,15 +266,41 @@ def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
     fs, sdir = _step_dir(url, step)
     plain = [e for e in entry["tensors"] if not (reshard and "global_shape" in e)]
     loaded = iter(_read_entries(fs, sdir, [entry["meta"], *plain], verify))
-    meta = json.loads(bytes(next(loaded).numpy()))
+    meta = _meta(bytes(next(loaded).numpy()), len(entry["tensors"]), f"{sdir} rank {src}")
     if not reshard:
-        return meta, list(loaded)
+        tensors = list(loaded)
+        _check_tree(meta, tensors, f"{sdir} rank {src}")
+        return meta, tensors
     everyone = [e for r in index["ranks"].values() for e in r["tensors"] if "global_shape" in e]
     try:
         return meta, shards.reshard(meta, entry["tensors"], everyone, loaded, rank, int(world_size),
                                     lambda x: _read_entries(fs, sdir, [x], verify)[0])
     except ValueError as err:
         raise StorageError(str(err)) from err
+
+
+def _meta(raw: bytes, count: int, where: str) -> Dict[str, Any]:
+    """A rank's snapshot meta (JSON) from storage, its shape checked before anyone walks it."""
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise StorageError(f"{where}: the snapshot meta is not JSON ({_one_line(e)})") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list) \
+            or len(meta["tensors"]) != count \
+            or not all(isinstance(d, dict) and isinstance(d.get("path"), str) for d in meta["tensors"]):
+        raise StorageError(f"{where}: the snapshot meta does not describe its {count} tensors")
+    return meta
+
+
+def _check_tree(meta: Dict[str, Any], tensors: List[torch.Tensor], where: str) -> None:
+    """Rebuild the state once here: a skeleton that does not fit its tensors fails now, with
+    one line, rather than in the worker's ``restore()``."""
+    from ckptrun.snapshot import unflatten
+
+    try:
+        unflatten(meta.get("tree"), tensors)
+    except Exception as e:  # noqa: BLE001 -- any way a crafted skeleton breaks is "malformed"
+        raise StorageError(f"{where}: the snapshot skeleton is malformed ({_one_line(e)})") from e
 
 
 def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) -> List[torch.Tensor]:
@@ -279,22 +313,22 @@ def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) ->
         by_file.setdefault(e["file"], []).append(i)
     for name, idxs in by_file.items():
         idxs.sort(key=lambda i: entries[i]["offset"])  # sequential reads hit the read-ahead cache
-        path = posixpath.join(sdir, name)
+        path = posixpath.join(sdir, name)  # a checked DCP file name: stays inside sdir
         try:
+            size = fs.size(path)
             with fs.open(path, "rb") as f:
                 for i in idxs:
                     e = entries[i]
+                    if e["offset"] + e["length"] > size:  # before allocating what it claims
+                        raise StorageError(f"{path}: truncated at {e['key']}")
                     f.seek(e["offset"])
-                    buf = f.read(e["length"])
-                    if len(buf) != e["length"]:
+                    buf = _read_exactly(f, e["length"])
+                    if buf is None:
                         raise StorageError(f"{path}: truncated at {e['key']}")
                     try:
-                        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-                    except (RuntimeError, ValueError, EOFError) as err:  # torn or foreign bytes
-                        raise StorageError(f"{path}: corrupt entry {e['key']}: {_one_line(err)}") from err
-                    if (not isinstance(t, torch.Tensor) or list(t.shape) != e["shape"]
-                            or t.dtype != _dtype(e["dtype"])):
-                        raise StorageError(f"{path}: {e['key']} does not match the index")
+                        t = tensor_from_blob(buf, e["shape"], _dtype(e["dtype"]))
+                    except BlobError as err:  # torn or foreign bytes
+                        raise StorageError(f"{path}: corrupt entry {e['key']}: {err}") from err
                     if verify and checksum(t) != e["checksum"]:
                         raise StorageError(f"{path}: checksum mismatch for {e['key']}")
                     out[i] = t
@@ -303,11 +337,28 @@ def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) ->
     return out  # type: ignore[return-value]
 
 
+def _read_exactly(f, n: int) -> Optional[bytearray]:
+    """``n`` bytes from ``f`` into a fresh buffer (the tensor will live in it), or None if the
+    file ends first."""
+    buf, got = bytearray(n), 0
+    view = memoryview(buf)
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            return None
+        got += k
+    return buf
+
+
 def list_steps(url: str) -> List[Dict[str, Any]]:
     """Complete persisted steps, oldest first: ``{step, url, bytes, time, world_size}``."""
     steps = []
     for s in _step_dirs(url):
-        index = read_index(url, s)
+        try:
+            index = read_index(url, s)
+        except StorageError as e:  # a damaged step is skipped: the older ones may do
+            log.warning("durable step %s skipped: %s", s, e)
+            continue
         if index is not None:
             steps.append({"step": index["step"], "url": step_url(url, index["step"]),
                           "bytes": index["bytes"], "time": index["time"],

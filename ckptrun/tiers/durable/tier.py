@@ -43,6 +43,8 @@ class DurableTier(Tier):
         self.ranks: List[int] = ctx.ranks
         self.world_size = ctx.world_size
         self.restored_from_storage: Optional[int] = None
+        self.rejected: Optional[str] = None  # why the last durable copy offered was refused
+        self.emit = ctx.emit
         self._where: Dict[int, Tuple[str, Optional[int]]] = {}  # offered step -> (url, step)
         # reads pin the slot they copy, so the worker writes its next snapshots elsewhere
         self.memory.attach_control(ctx.control, self.ranks)
@@ -80,9 +82,12 @@ class DurableTier(Tier):
             # another world size than the saved one reshards sharded (DTensor) state
             snaps: Dict[int, tuple] = {
                 r: storage.read_rank(url, at, r, world_size=self.world_size) for r in ranks}
-        except (storage.StorageError, OSError, KeyError, ValueError) as e:
-            # a corrupt or partial durable copy is skipped, never loaded
+        except (storage.StorageError, OSError) as e:
+            # a corrupt, partial or crafted durable copy is skipped, never loaded: the
+            # decision tries an older step, and says why this one was refused
             log.warning("durable step %s at %s unusable: %s", step, url, e)
+            self.rejected = f"step {step} at {url}: {e}"
+            self.emit("restore_rejected", tier=self.name, step=step, url=url, error=str(e))
             return None
         for r, (meta, tensors) in snaps.items():
             self.memory.write(r, meta, tensors, step)
@@ -183,6 +188,9 @@ class DurableTier(Tier):
                 url, step = storage.resolve(self.resume_from)
             except storage.StorageError as e:
                 log.warning("--resume-from %s: %s", self.resume_from, e)
+                self.rejected = str(e)
+                self.emit("restore_rejected", tier=self.name, step=None, url=self.resume_from,
+                          error=str(e))
             else:
                 if max_step is None or step <= max_step:
                     yield step, (url, None)
