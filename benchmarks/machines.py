@@ -168,8 +168,10 @@ def start_job(work: str, nnodes: int, extra_agent_args: List[str], job_args: Lis
     """Start ``nnodes`` machines of one job; the first hosts the rendezvous store (it is
     started alone and the others only once its port listens, so the store host is known:
     losing it ends the job, as with torchrun)."""
+    import secrets
     import uuid
 
+    env = {"CKPTRUN_SECRET": secrets.token_hex(32), **env}  # what every machine of a job shares
     log_dir = os.path.join(work, "steps")
     os.makedirs(log_dir, exist_ok=True)
     port, rdzv = free_port(), uuid.uuid4().hex[:8]
@@ -185,6 +187,7 @@ def start_job(work: str, nnodes: int, extra_agent_args: List[str], job_args: Lis
                  for n in names[1:nnodes]]
     for m in machines:
         m.command_args = args  # type: ignore[attr-defined]
+        m.job_env = env  # type: ignore[attr-defined]
     return machines
 
 
@@ -192,8 +195,11 @@ def replacement(like: Machine, name: str, work: str, job_args: List[str],
                 env: Dict[str, str]) -> Machine:
     """A new machine running the same command as ``like`` (its own run directory: a new
     machine has its own disk)."""
-    return Machine(name, work, like.command_args, job_args,  # type: ignore[attr-defined]
-                   os.path.join(work, "steps"), env, like.private_shm)
+    m = Machine(name, work, like.command_args, job_args,  # type: ignore[attr-defined]
+                os.path.join(work, "steps"), {**like.job_env, **env},  # type: ignore[attr-defined]
+                like.private_shm)
+    m.command_args, m.job_env = like.command_args, like.job_env  # type: ignore[attr-defined]
+    return m
 
 
 def teardown(machines: List[Machine], work: str) -> None:

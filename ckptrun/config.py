@@ -69,6 +69,9 @@ class AgentConfig:
     replication_budget: Optional[float] = 0.05  # slowdown rounds may cause; None = unpaced
     num_slots: int = 3
     snapshot_every: str = "1"  # N or "auto" (workers read CKPTRUN_SNAPSHOT_EVERY)
+    # the job secret (protocol.job_secret); never logged, never in a worker's environment
+    secret: Optional[bytes] = field(default=None, repr=False)
+    insecure: bool = False  # several machines without a secret, accepted by the user
 
     @property
     def nnodes_fixed(self) -> bool:

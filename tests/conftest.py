@@ -61,3 +61,13 @@ def _cold_restarts_unless_marked(request, monkeypatch):
     """
     if request.node.get_closest_marker("spares") is None:
         monkeypatch.setenv("CKPTRUN_WARM_SPARES", "0")
+
+
+_TEST_SECRET = os.urandom(32).hex()
+
+
+@pytest.fixture(autouse=True)
+def _job_secret(monkeypatch):
+    """Every job the tests start has a job secret, as a user's multi-machine job must
+    (``CKPTRUN_SECRET``); the tests of a job without one remove it themselves."""
+    monkeypatch.setenv("CKPTRUN_SECRET", _TEST_SECRET)

@@ -20,6 +20,7 @@ def clean_env(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
     monkeypatch.setenv("CKPTRUN_RDZV_CHECK_TIMEOUT", "0.5")
+    monkeypatch.setenv("CKPTRUN_SECRET", "a test job secret of enough bytes")  # several machines
 
 
 def _error(argv):

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun.config import AgentConfig
+from ckptrun.protocol.job_secret import ENV_SECRET, ENV_SECRET_FILE
 from ckptrun.store.kvstore import wait_keys
 
 KEY_PREFIX = "ckptrun/"
@@ -299,6 +300,8 @@ def agent_base_env(cfg: AgentConfig) -> Dict[str, str]:
     ``OMP_NUM_THREADS=1`` (nproc > 1, unset) and ``TORCHELASTIC_SIGNALS_TO_HANDLE`` in its
     own ``os.environ``; here they go into a copy, the agent's environment stays untouched."""
     env = dict(os.environ)
+    for name in (ENV_SECRET, ENV_SECRET_FILE):  # the job secret is the agent's, not the script's
+        env.pop(name, None)
     if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle

@@ -131,7 +131,8 @@ class Agent:
             return 1
         self.events.emit("start", nnodes=self.info.group_world_size,
                          nproc_per_node=cfg.nproc_per_node, node=self.info.group_rank,
-                         run_id=self.info.run_id, job_token=self.token)
+                         run_id=self.info.run_id, job_token=self.token,
+                         **({"insecure": True} if cfg.insecure and cfg.secret is None else {}))
         while True:
             if self.epoch.state in (FAILED, FATAL):
                 return 1 if self.epoch.state == FAILED else 2

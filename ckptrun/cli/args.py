@@ -37,6 +37,8 @@ _OWN_OPTIONS = [
      "unpaced (default: 0)"),
     ("--replication-budget", "PCT|off", "replication may slow training by at most this much, "
      "measured from the workers' heartbeats; off = rounds back to back (default: 5%%)"),
+    ("--secret-file", "PATH", "the job secret of a multi-machine job, a file only you can read "
+     "(or CKPTRUN_SECRET); never sent through the rendezvous store"),
     ("--snapshot-every", "N|auto", "memory snapshot every N steps, or auto: every step while "
      "it costs <= 3%% of training time (CKPTRUN_SNAPSHOT_OVERHEAD), else every k-th (default: 1)"),
 ]
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         default = os.environ.get("CKPTRUN_" + dest.upper()) or _OWN_DEFAULTS.get(dest)
         spellings = dict.fromkeys([opt, "--" + dest])  # --run-dir and --run_dir
         group.add_argument(*spellings, dest=dest, metavar=metavar, default=default, help=text)
+    group.add_argument("--insecure", action="store_true",
+                       default=os.environ.get("CKPTRUN_INSECURE", "").strip().lower() in TRUE,
+                       help="run a multi-machine job without a job secret: anyone who can reach "
+                       "the rendezvous store can then read and rewrite its checkpoints")
     parser.add_argument("--version", action="version", version=f"ckptrun {__version__}")
     _apply_pet_env(parser)
     return parser
@@ -222,6 +228,7 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         replication_rate=parse_replication_rate(ns.replication_rate),
         replication_budget=_replication_budget(ns.replication_budget),
         snapshot_every=_snapshot_every(ns.snapshot_every),
+        secret=_secret(ns, max_nodes), insecure=bool(ns.insecure),
     )
     if max_nodes == 1 and cfg.replicas and ns.replicas not in (None, _OWN_DEFAULTS["replicas"]):
         _warn(f"--replicas {cfg.replicas}: this job runs on one machine, so there is no other "
@@ -233,6 +240,25 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
 
     check_environment(cfg)
     return cfg, ns
+
+
+def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:
+    """The job secret (``--secret-file``, ``CKPTRUN_SECRET``); several machines need one."""
+    from ckptrun.protocol.job_secret import SecretError, job_secret
+
+    try:
+        secret = job_secret(ns.secret_file, os.environ)
+    except SecretError as e:
+        raise UsageError(str(e)) from None
+    if secret is None and max_nodes > 1:
+        if not ns.insecure:
+            raise UsageError(
+                "a job on several machines needs a secret only its machines know (the "
+                "rendezvous store answers anyone): set CKPTRUN_SECRET or --secret-file PATH "
+                "(mode 0600) on every machine, or --insecure to run without one")
+        _warn("--insecure: no job secret, so anyone who can reach the rendezvous store can "
+              "read this job's checkpoints from the other machines and push forged ones")
+    return secret
 
 
 def _warn(text: str) -> None:

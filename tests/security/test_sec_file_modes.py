@@ -16,7 +16,7 @@ TRAIN = os.path.join(ROOT, "examples", "train.py")
 
 def _open_to_others(top: str) -> list:
     bad = []
-    for d, dirs, files in os.walk(top):
+    for d, _dirs, files in os.walk(top):
         for p in [d] + [os.path.join(d, f) for f in files]:
             mode = os.lstat(p).st_mode
             if not stat.S_ISLNK(mode) and mode & 0o077:

@@ -4,7 +4,9 @@ One of the agent's tiers (:class:`~ckptrun.tiers.interface.Tier`), present when 
 several machines and ``--replicas M`` > 1.  Each agent:
 
 * runs a :class:`~ckptrun.tiers.peer.server.ReplicaServer` on the address it uses to reach the
-  rendezvous, publishing it in the rendezvous store with a per-job secret agreed there;
+  rendezvous, publishing its address in the rendezvous store; connections authenticate with
+  the job key derived from the user's secret (:mod:`ckptrun.protocol.job_secret`), which
+  never goes through the store;
 * replicates in **rounds** that every agent runs in step: in round r all agents agree on
   ``S_r`` = the oldest of their newest committed steps (data-parallel nodes are at most a step
   apart, so every node still holds it), copy their ranks' ``S_r`` out of the worker slots
@@ -27,6 +29,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ckptrun import protocol as P
+from ckptrun.protocol.job_secret import job_key
 from ckptrun.store.kvstore import own_client, wait_keys
 from ckptrun.tiers.interface import Tier, TierContext
 from ckptrun.tiers.peer import placement
@@ -81,7 +84,10 @@ class ReplicaTier(Tier):
         # a restore needs this node's ranks and its sources' ranks at one step
         self.copies = PeerStore(ctx.token, self.ranks + [
             n * cfg.nproc_per_node + lr for n in sources for lr in range(cfg.nproc_per_node)])
-        self.secret = bytes.fromhex(self._agree_secret())
+        # the job key: from the user's secret, which never goes through the store; only an
+        # --insecure job agrees one there (anyone who reads the store then has it)
+        self.secret = job_key(cfg.secret, cfg.rdzv_id) if cfg.secret is not None \
+            else bytes.fromhex(self._agree_secret())
         self.nice = replication_nice()
         self.pacer = Pacer(cfg.replication_budget)
         self.windows = BeatWindows(self.pacer, ctx.control, cfg.nproc_per_node)
@@ -356,7 +362,7 @@ class ReplicaTier(Tier):
 
     # -- store ---------------------------------------------------------------------------
     def _agree_secret(self) -> str:
-        """The per-job secret: the first agent to ask creates it (in the rendezvous store)."""
+        """``--insecure`` only: a per-job key that the first agent to ask puts in the store."""
         mine = secrets.token_hex(32)
         got = self.store.compare_set(f"{KEY}secret", "", mine)
         return (got.decode() if isinstance(got, bytes) else got) or mine
