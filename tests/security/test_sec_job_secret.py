@@ -103,4 +103,4 @@ def test_a_key_for_another_job_is_refused(tmp_path):
             holdings(srv.address, secret, "n1")  # the raw secret is not the key either
     finally:
         srv.stop()
-    assert len(refused) == 2
+    assert refused  # (reported at most every few seconds: a flood is not a line each)

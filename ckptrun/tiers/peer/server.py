@@ -4,15 +4,23 @@
 operations: ``put`` (store a peer's snapshot in this agent's :class:`PeerStore`), ``fetch``
 (stream a held copy back, for a replacement machine) and ``list`` (which ranks and steps are
 held).  One operation per connection keeps the server stateless.
+
+Even an authenticated request is bounded before it is served: a ``put`` only for the ranks
+this server keeps copies of, with sizes that fit the memory left in ``/dev/shm`` (a reserve
+always stays free), every field type-checked.  A bad request closes its connection with one
+log line; refusals are logged at most every few seconds (with how many were not), so a flood
+of garbage connections is a handful of lines, not one each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
 from ckptrun.tiers.peer.copies import MapCache, PeerStore, done_with_map
@@ -31,6 +39,47 @@ from ckptrun.tiers.peer.wire import (
 
 log = logging.getLogger(__name__)
 
+MAX_RANK = 1 << 20
+MAX_META = 256 << 20  # a snapshot's JSON skeleton; far above any real one
+SHM_RESERVE = 0.05  # of /dev/shm that a put never takes (at least SHM_RESERVE_MIN bytes)
+SHM_RESERVE_MIN = 64 << 20
+REFUSAL_LOG_S = 10.0  # at most one refusal line (and event) per this many seconds
+
+
+class BadRequest(ValueError):
+    """A request this server will not serve, said in one line."""
+
+
+def field_int(req: dict, name: str, lo: int, hi: int) -> int:
+    """``req[name]`` when it is an integer in ``lo..hi``; else :class:`BadRequest`."""
+    v = req.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise BadRequest(f"field {name!r} is not an integer in {lo}..{hi}")
+    return v
+
+
+class _Refusals:
+    """Rate-limited reporting of refused connections: the first at once, then one line per
+    ``REFUSAL_LOG_S`` with how many more there were."""
+
+    def __init__(self, on_refused: Optional[Callable[[str], None]]) -> None:
+        self._on_refused = on_refused
+        self._lock = threading.Lock()
+        self._last = -REFUSAL_LOG_S
+        self._quiet = 0
+
+    def report(self, peer: str, why: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < REFUSAL_LOG_S:
+                self._quiet += 1
+                return
+            more, self._quiet, self._last = self._quiet, 0, now
+        log.warning("refused replica connection from %s: %s%s", peer, why,
+                    f" (and {more} more since the last report)" if more else "")
+        if self._on_refused:
+            self._on_refused(peer)
+
 
 class ReplicaServer:
     """Listens on ``host`` (the address the node uses for the rendezvous) for peer agents."""
@@ -39,12 +88,14 @@ class ReplicaServer:
                  on_refused: Optional[Callable[[str], None]] = None,
                  on_received: Optional[Callable[[int, int, int, float], None]] = None,
                  local_copy: Optional[Callable[[int, int], Optional[str]]] = None,
-                 put_nice: int = 0):
+                 put_nice: int = 0, accept_ranks: Optional[Sequence[int]] = None):
         self.store = store
+        # the ranks a put may name (this node's sources'); None: any (tests of the wire)
+        self._accept = None if accept_ranks is None else frozenset(int(r) for r in accept_ranks)
         self._put_nice = put_nice  # niceness of the threads receiving pushes (0: unchanged)
         self._local_copy = local_copy  # (rank, step) -> path of this node's own slot, if any
         self._secret = secret
-        self._on_refused = on_refused
+        self._refusals = _Refusals(on_refused)
         self._on_received = on_received
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -82,9 +133,7 @@ class ReplicaServer:
         try:
             node = server_handshake(conn, self._secret)
         except (AuthError, ConnectionError, ValueError, OSError) as e:
-            log.warning("refused replica connection from %s: %s", peer, e)
-            if self._on_refused:
-                self._on_refused(f"{peer[0]}:{peer[1]}")
+            self._refusals.report(f"{peer[0]}:{peer[1]}", str(e))
             conn.close()
             return
         try:
@@ -99,19 +148,31 @@ class ReplicaServer:
                 inv = self.store.inventory()
                 send_frame(conn, {"ok": True, "inventory": {str(r): s for r, s in inv.items()}})
             else:
-                send_frame(conn, {"ok": False, "error": f"unknown op {op!r}"})
-        except (ConnectionError, OSError, ValueError, KeyError) as e:
+                send_frame(conn, {"ok": False, "error": f"unknown op {str(op)[:40]!r}"})
+        except BadRequest as e:
+            log.warning("refused a request of %s: %s", node, e)
+            with contextlib.suppress(OSError):
+                send_frame(conn, {"ok": False, "error": str(e)})
+        except (ConnectionError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("replica connection from %s broke: %s", node, e)
         finally:
             conn.close()
 
     def _put(self, conn: socket.socket, node: str, req: dict) -> None:
-        rank = int(req["rank"])
+        rank = field_int(req, "rank", 0, MAX_RANK)
+        if self._accept is not None and rank not in self._accept:
+            raise BadRequest(f"rank {rank} is not one this machine keeps copies of")
+        field_int(req, "step", 1, 1 << 62)
+        field_int(req, "checksum", 0, (1 << 64) - 1)
+        field_int(req, "world_size", 0, MAX_RANK) if "world_size" in req else None
+        meta_len = field_int(req, "meta_len", 0, MAX_META)
+        data_len = field_int(req, "data_len", 0, 1 << 50)
         path = self.store.incoming_path(rank)
         if path is None:  # a transfer of this rank is already in flight: the sender retries later
             send_frame(conn, {"ok": False, "error": "busy"})
             return
         try:
+            self._check_room(path, rank, meta_len + data_len)
             send_frame(conn, {"ok": True})
             t0 = time.monotonic()
             ok = receive_slot(conn, path, req, self.store.maps)
@@ -122,10 +183,29 @@ class ReplicaServer:
             self._on_received(rank, int(req["step"]), int(req["meta_len"]) + int(req["data_len"]),
                               time.monotonic() - t0)
 
+    def _check_room(self, path: str, rank: int, size: int) -> None:
+        """Refuse a put that would leave less than the reserve of /dev/shm free (the copy
+        goes into ``path``, whose pages it reuses)."""
+        st = os.statvfs(P.SHM_DIR)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        reusable = self._file_size(path)
+        reserve = max(int(total * SHM_RESERVE), SHM_RESERVE_MIN)
+        if size + P.PAGE * 4 - reusable > free - reserve:
+            raise BadRequest(f"no room for {size} bytes of rank {rank} in {P.SHM_DIR} "
+                             f"({free} free, {reserve} kept in reserve)")
+
+    @staticmethod
+    def _file_size(path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except OSError:
+            return 0
+
     def _fetch(self, conn: socket.socket, req: dict) -> None:
         """Serve a held copy of ``rank`` (newest, or exactly ``step``): a peer copy, else this
         node's own slot of that rank (a rank that moved to another machine)."""
-        rank, step = int(req["rank"]), req.get("step")
+        rank = field_int(req, "rank", 0, MAX_RANK)
+        step = None if req.get("step") is None else field_int(req, "step", 0, 1 << 62)
         copies = self.store.copies(rank)
         path = copies.get(int(step)) if step is not None else (
             copies[max(copies)] if copies else None)

@@ -93,7 +93,7 @@ class ReplicaTier(Tier):
         self.windows = BeatWindows(self.pacer, ctx.control, cfg.nproc_per_node)
         self.server = ReplicaServer(ctx.address or "127.0.0.1", self.secret, self.copies,
                                     on_refused=self._refused, local_copy=self._own_slot,
-                                    put_nice=self.nice)
+                                    put_nice=self.nice, accept_ranks=self.copies.pin_ranks)
         self.store.set(f"{KEY}addr/{self.node}", "{}:{}".format(*self.server.address))
         self.peers = placement.peers_of(self.node, self.n, self.m)
         self.holders = [h for h in placement.holders_of(self.node, self.n, self.m)

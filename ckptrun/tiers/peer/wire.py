@@ -38,6 +38,7 @@ PACED_CHUNK = 4 << 20  # a paced stream sleeps between chunks of this size
 HASH_PIECE = 1 << 20  # a receiver hashes what it received in pieces of this size
 ABORT = (1 << 64) - 1
 MAX_FRAME = 1 << 20  # a JSON frame larger than this is a protocol violation
+MAX_HELLO = 4096  # before the peer proved it has the key, only this much is read
 _U64 = struct.Struct(">Q")
 
 
@@ -76,11 +77,16 @@ def send_frame(sock: socket.socket, obj: dict) -> None:
     sock.sendall(struct.pack(">I", len(data)) + data)
 
 
-def recv_frame(sock: socket.socket) -> dict:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> dict:
+    """One JSON object frame; anything else (too long, not JSON, nested too deep, not an
+    object) is a :class:`ConnectionError` -- the connection is dropped, nothing raised past it."""
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"frame of {n} bytes exceeds the limit")
-    obj = json.loads(_recv_exact(sock, n))
+    if n > limit:
+        raise ConnectionError(f"frame of {n} bytes exceeds the limit of {limit}")
+    try:
+        obj = json.loads(_recv_exact(sock, n))
+    except (ValueError, RecursionError) as e:
+        raise ConnectionError(f"malformed frame ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise ConnectionError("malformed frame")
     return obj
@@ -107,10 +113,13 @@ def server_handshake(sock: socket.socket, secret: bytes) -> str:
     """Challenge the connecting peer; returns its node name or raises :class:`AuthError`."""
     nonce = os.urandom(32)
     sock.sendall(nonce)
-    hello = recv_frame(sock)
-    node = str(hello.get("node", ""))
-    their_nonce = bytes.fromhex(str(hello.get("nonce", "")))
-    proof = bytes.fromhex(str(hello.get("proof", "")))
+    hello = recv_frame(sock, MAX_HELLO)
+    node = str(hello.get("node", ""))[:64]
+    try:
+        their_nonce = bytes.fromhex(str(hello.get("nonce", "")))
+        proof = bytes.fromhex(str(hello.get("proof", "")))
+    except ValueError:
+        raise AuthError(f"peer {node or '?'} sent a malformed hello") from None
     if len(their_nonce) != 32 or not hmac.compare_digest(
         proof, _mac(secret, b"client", nonce, node.encode())
     ):
