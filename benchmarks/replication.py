@@ -1,9 +1,10 @@
 """Replication: ``ckptrun.tiers.peer.server.push`` of one slot vs a raw loopback TCP stream.
 
 A committed slot file (header, small JSON meta, ``--replication-size`` bytes of data) is
-pushed to a ``ReplicaServer`` on 127.0.0.1, the way an agent sends its node's snapshot to a
-peer: authenticated handshake, chunked stream, the receiver verifies the xxh3 checksum
-and commits.  Side by side, round-robin in the same run:
+pushed to a ``ReplicaServer`` on 127.0.0.1 in another process, the way an agent sends its
+node's snapshot to a peer's agent: authenticated handshake, every record sealed (AES-GCM),
+the receiver decrypts, verifies the xxh3 checksum and commits.  Side by side, round-robin in
+the same run:
 
 * ``raw loopback TCP`` -- the same number of bytes, one ``sendall`` to one ``recv_into``
   loop (``benchmarks.limits``): the ceiling on this machine;
@@ -19,17 +20,19 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
-from typing import List
+from typing import List, Tuple
 
 import torch
 
 from benchmarks import Context, Row, bandwidth_row, interleave, section, timed
 from benchmarks.limits import _tcp_once
 from ckptrun import protocol as P
-from ckptrun.tiers.peer.copies import MapCache, PeerStore
-from ckptrun.tiers.peer.server import ReplicaServer, push
+from ckptrun.tiers.peer.copies import MapCache
+from ckptrun.tiers.peer.server import push
 
 SECRET = os.urandom(32)
 GOAL = 0.70  # DESIGN §6: replication >= 70% of loopback TCP throughput
@@ -62,6 +65,30 @@ def make_slot(path: str, nbytes: int, step: int = 1, rank: int = 0) -> None:
         mm.close()
 
 
+_SERVER = """
+import sys
+from ckptrun.tiers.peer.copies import PeerStore
+from ckptrun.tiers.peer.server import ReplicaServer
+key = bytes.fromhex(sys.stdin.readline().strip())
+srv = ReplicaServer("127.0.0.1", key, PeerStore(sys.argv[1]))
+print(srv.address[1], flush=True)
+sys.stdin.read()  # until the benchmark closes the pipe
+srv.stop()
+"""
+
+
+def start_server(token: str) -> Tuple[subprocess.Popen, Tuple[str, int]]:
+    """A replica server in its own process, as a peer agent is (the key goes over stdin,
+    never argv)."""
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, token], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(SECRET.hex() + "\n")
+    proc.stdin.flush()
+    port = int(proc.stdout.readline())
+    return proc, ("127.0.0.1", port)
+
+
 def size_for(ctx: Context) -> int:
     opt = ctx.options.get("replication_bytes")
     return int(opt) if opt else (64 << 20 if ctx.quick else 256 << 20)  # type: ignore[arg-type]
@@ -78,7 +105,7 @@ def replication(ctx: Context) -> List[Row]:
     server = maps = None
     try:
         make_slot(src, nbytes)
-        server = ReplicaServer("127.0.0.1", SECRET, PeerStore(token))
+        server, address = start_server(token)
         payload = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
         view = memoryview(payload.numpy()).cast("B")
 
@@ -86,7 +113,7 @@ def replication(ctx: Context) -> List[Row]:
 
         def do_push(rate_bps=None) -> None:
             # Back-to-back pushes of one rank, as the agent's rounds make them.
-            if push(server.address, SECRET, "bench", 0, src, rate_bps=rate_bps,
+            if push(address, SECRET, "bench", 0, src, rate_bps=rate_bps,
                     maps=maps) is None:
                 raise RuntimeError("push returned None (receiver busy, or the copy failed)")
 
@@ -108,7 +135,8 @@ def replication(ctx: Context) -> List[Row]:
         return rows
     finally:
         if server is not None:
-            server.stop()
+            server.stdin.close()  # type: ignore[union-attr]
+            server.wait(timeout=30)
         if maps is not None:
             maps.close()
         for path in glob.glob(os.path.join(P.SHM_DIR, f"{P.SHM_PREFIX}{token}*")):

@@ -26,6 +26,7 @@ from ckptrun import protocol as P
 from ckptrun.tiers.peer.copies import MapCache, PeerStore, done_with_map
 from ckptrun.tiers.peer.wire import (
     AuthError,
+    Channel,
     connect,
     lower_thread_priority,
     receive_slot,
@@ -131,34 +132,34 @@ class ReplicaServer:
         conn.settimeout(30.0)
         tune_socket(conn)
         try:
-            node = server_handshake(conn, self._secret)
+            node, ch = server_handshake(conn, self._secret)
         except (AuthError, ConnectionError, ValueError, OSError) as e:
             self._refusals.report(f"{peer[0]}:{peer[1]}", str(e))
             conn.close()
             return
         try:
-            req = recv_frame(conn)
+            req = recv_frame(ch)
             op = req.get("op")
             if op == "put":
                 lower_thread_priority(self._put_nice)  # this connection's thread only
-                self._put(conn, node, req)
+                self._put(ch, node, req)
             elif op == "fetch":
-                self._fetch(conn, req)
+                self._fetch(ch, req)
             elif op == "list":
                 inv = self.store.inventory()
-                send_frame(conn, {"ok": True, "inventory": {str(r): s for r, s in inv.items()}})
+                send_frame(ch, {"ok": True, "inventory": {str(r): s for r, s in inv.items()}})
             else:
-                send_frame(conn, {"ok": False, "error": f"unknown op {str(op)[:40]!r}"})
+                send_frame(ch, {"ok": False, "error": f"unknown op {str(op)[:40]!r}"})
         except BadRequest as e:
             log.warning("refused a request of %s: %s", node, e)
             with contextlib.suppress(OSError):
-                send_frame(conn, {"ok": False, "error": str(e)})
+                send_frame(ch, {"ok": False, "error": str(e)})
         except (ConnectionError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("replica connection from %s broke: %s", node, e)
         finally:
-            conn.close()
+            ch.close()
 
-    def _put(self, conn: socket.socket, node: str, req: dict) -> None:
+    def _put(self, ch: Channel, node: str, req: dict) -> None:
         rank = field_int(req, "rank", 0, MAX_RANK)
         if self._accept is not None and rank not in self._accept:
             raise BadRequest(f"rank {rank} is not one this machine keeps copies of")
@@ -169,16 +170,16 @@ class ReplicaServer:
         data_len = field_int(req, "data_len", 0, 1 << 50)
         path = self.store.incoming_path(rank)
         if path is None:  # a transfer of this rank is already in flight: the sender retries later
-            send_frame(conn, {"ok": False, "error": "busy"})
+            send_frame(ch, {"ok": False, "error": "busy"})
             return
         try:
             self._check_room(path, rank, meta_len + data_len)
-            send_frame(conn, {"ok": True})
+            send_frame(ch, {"ok": True})
             t0 = time.monotonic()
-            ok = receive_slot(conn, path, req, self.store.maps)
+            ok = receive_slot(ch, path, req, self.store.maps)
         finally:
             self.store.done(rank)  # before the reply: the sender's next push is not "busy"
-        send_frame(conn, {"ok": ok})
+        send_frame(ch, {"ok": ok})
         if ok and self._on_received:
             self._on_received(rank, int(req["step"]), int(req["meta_len"]) + int(req["data_len"]),
                               time.monotonic() - t0)
@@ -201,7 +202,7 @@ class ReplicaServer:
         except OSError:
             return 0
 
-    def _fetch(self, conn: socket.socket, req: dict) -> None:
+    def _fetch(self, ch: Channel, req: dict) -> None:
         """Serve a held copy of ``rank`` (newest, or exactly ``step``): a peer copy, else this
         node's own slot of that rank (a rank that moved to another machine)."""
         rank = field_int(req, "rank", 0, MAX_RANK)
@@ -212,12 +213,12 @@ class ReplicaServer:
         if path is None and step is not None and self._local_copy is not None:
             path = self._local_copy(rank, int(step))
         if path is None:
-            send_frame(conn, {"ok": False, "error": "not held"})
+            send_frame(ch, {"ok": False, "error": "not held"})
             return
-        _stream_slot_file(conn, path, rank)
+        _stream_slot_file(ch, path, rank)
 
 
-def _stream_slot_file(conn: socket.socket, path: str, rank: int,
+def _stream_slot_file(ch: Channel, path: str, rank: int,
                       rate_bps: Optional[float] = None, op: Optional[str] = None,
                       maps: Optional[MapCache] = None) -> Optional[Tuple[int, int]]:
     """Announce and stream the committed slot at ``path``; returns (step, bytes sent) or None.
@@ -232,21 +233,21 @@ def _stream_slot_file(conn: socket.socket, path: str, rank: int,
     try:
         h, regions = slot_regions(mm)
         if h.state != P.SlotState.COMMITTED or h.data_offset + h.data_len > len(mm):
-            send_frame(conn, {"ok": False, "error": "not committed"})
+            send_frame(ch, {"ok": False, "error": "not committed"})
             return None
         announce = {"ok": True, "rank": rank, "step": h.step, "meta_len": h.meta_len,
                     "data_len": h.data_len, "checksum": h.checksum, "world_size": h.world_size}
         if op:
             announce["op"] = op
-        send_frame(conn, announce)
-        if op and not recv_frame(conn).get("ok"):
+        send_frame(ch, announce)
+        if op and not recv_frame(ch).get("ok"):
             return None
 
         def unchanged() -> bool:
             now = P.SlotHeader.unpack_from(mm)
             return (now.state, now.step, now.seq) == (h.state, h.step, h.seq)
 
-        return h.step, send_stream(conn, regions, rate_bps, unchanged)
+        return h.step, send_stream(ch, regions, rate_bps, unchanged)
     finally:
         for r in regions:  # early returns too: exported views would keep mm from closing
             r.release()
@@ -263,10 +264,10 @@ def push(addr: Tuple[str, int], secret: bytes, node: str, rank: int, src_path: s
     ``OSError``/``ConnectionError``.  ``maps``: keep the source's mapping for the next push.
     """
     t0 = time.monotonic()
-    with connect(addr, secret, node) as sock:
-        sock.settimeout(60.0)
-        got = _stream_slot_file(sock, src_path, rank, rate_bps, op="put", maps=maps)
-        if got is None or not recv_frame(sock).get("ok"):
+    with connect(addr, secret, node) as ch:
+        ch.settimeout(60.0)
+        got = _stream_slot_file(ch, src_path, rank, rate_bps, op="put", maps=maps)
+        if got is None or not recv_frame(ch).get("ok"):
             return None
     return {"step": got[0], "bytes": got[1], "seconds": time.monotonic() - t0}
 
@@ -274,13 +275,13 @@ def push(addr: Tuple[str, int], secret: bytes, node: str, rank: int, src_path: s
 def fetch(addr: Tuple[str, int], secret: bytes, node: str, rank: int, dst_path: str,
           step: Optional[int] = None) -> Optional[int]:
     """Pull the copy of ``rank`` held at ``addr`` into slot file ``dst_path``; returns its step."""
-    with connect(addr, secret, node) as sock:
-        sock.settimeout(60.0)
-        send_frame(sock, {"op": "fetch", "rank": rank, "step": step})
-        info = recv_frame(sock)
+    with connect(addr, secret, node) as ch:
+        ch.settimeout(60.0)
+        send_frame(ch, {"op": "fetch", "rank": rank, "step": step})
+        info = recv_frame(ch)
         if not info.get("ok"):
             return None
-        return int(info["step"]) if receive_slot(sock, dst_path, info) else None
+        return int(info["step"]) if receive_slot(ch, dst_path, info) else None
 
 
 def holdings(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, int]:
@@ -290,7 +291,7 @@ def holdings(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, int]:
 
 def inventory(addr: Tuple[str, int], secret: bytes, node: str) -> Dict[int, List[int]]:
     """{rank: [steps]} of every committed copy the agent at ``addr`` holds."""
-    with connect(addr, secret, node) as sock:
-        send_frame(sock, {"op": "list"})
-        reply = recv_frame(sock)
+    with connect(addr, secret, node) as ch:
+        send_frame(ch, {"op": "list"})
+        reply = recv_frame(ch)
     return {int(r): [int(s) for s in steps] for r, steps in reply.get("inventory", {}).items()}

@@ -1,18 +1,21 @@
-"""Peer-memory replication: authenticated TCP transfer of slot files between agents.
+"""Peer-memory replication: authenticated, encrypted TCP transfer of slot files between agents.
 
 GEMINI's second tier.  Each agent runs a :class:`ReplicaServer` on the address it uses for the
 rendezvous; peers push their newest committed snapshots to it (``put``) and a replacement
 machine pulls a lost rank's copy back (``fetch``).  Copies live in agent-owned shared memory in
 the same slot layout as local snapshots (``ckptrun.protocol.slot_file``), so every reader works on both.
 
-Wire format, after the handshake: a frame is a 4-byte big-endian length and a JSON object
-(never pickle).  Bulk bytes follow a ``put``/``fetch`` frame as chunks, each an 8-byte length
-then the bytes; length 0 ends the stream, ``ABORT`` abandons it (the sender saw its source slot
-change under it).  A copy counts only once the whole stream arrived and its xxh3 checksum
-matches the one the writer recorded at commit -- a transfer cut by a kill never becomes usable.
+Handshake: mutual HMAC-SHA256 challenge with fresh nonces under the job key (derived from
+the user's secret, :mod:`ckptrun.protocol.job_secret`); a peer without it is refused before
+it can send a byte of data.  Its only frames are plain 4-byte-length JSON objects of at most
+:data:`MAX_HELLO` bytes.
 
-Handshake: mutual HMAC-SHA256 challenge with the per-job secret agreed through the rendezvous
-store.  A peer without the secret is refused before it can send a byte of data.
+After it, everything travels in sealed records (:class:`~ckptrun.tiers.peer.channel.Channel`,
+AES-GCM with per-direction session keys): JSON frames (never pickle), and the bulk bytes that
+follow a ``put``/``fetch`` frame as chunks of at most 4 MiB, ended by an END record or an
+ABORT one (the sender saw its source slot change under it).  A copy counts only once the
+whole stream arrived and its xxh3 checksum matches the one the writer recorded at commit --
+a transfer cut by a kill never becomes usable.
 """
 
 from __future__ import annotations
@@ -30,16 +33,14 @@ import time
 from typing import Callable, Optional, Tuple
 
 from ckptrun import protocol as P
+from ckptrun.tiers.peer.channel import ABORT, DATA, END, FRAME, MAX_CHUNK, Channel, session_keys
 from ckptrun.tiers.peer.copies import MapCache, done_with_map, prepare_slot_file
 
 log = logging.getLogger(__name__)
 
-PACED_CHUNK = 4 << 20  # a paced stream sleeps between chunks of this size
-HASH_PIECE = 1 << 20  # a receiver hashes what it received in pieces of this size
-ABORT = (1 << 64) - 1
+PACED_CHUNK = MAX_CHUNK  # a paced stream sleeps between chunks of this size
 MAX_FRAME = 1 << 20  # a JSON frame larger than this is a protocol violation
 MAX_HELLO = 4096  # before the peer proved it has the key, only this much is read
-_U64 = struct.Struct(">Q")
 
 
 class AuthError(ConnectionError):
@@ -72,19 +73,37 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def send_frame(sock: socket.socket, obj: dict) -> None:
+def send_frame(ch: Channel, obj: dict) -> None:
+    """One JSON object as a sealed frame."""
+    ch.send(FRAME, json.dumps(obj).encode())
+
+
+def recv_frame(ch: Channel, limit: int = MAX_FRAME) -> dict:
+    """One sealed JSON object frame; anything else (another kind of record, too long, not
+    JSON, nested too deep, not an object) is a :class:`ConnectionError` -- the connection
+    is dropped, nothing raised past it."""
+    kind, data = ch.recv(limit)
+    if kind != FRAME:
+        raise ConnectionError(f"a {kind!r} record where a frame was expected")
+    return _parse(data)
+
+
+def _send_plain(sock: socket.socket, obj: dict) -> None:
+    """A handshake frame: before the session keys exist."""
     data = json.dumps(obj).encode()
     sock.sendall(struct.pack(">I", len(data)) + data)
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> dict:
-    """One JSON object frame; anything else (too long, not JSON, nested too deep, not an
-    object) is a :class:`ConnectionError` -- the connection is dropped, nothing raised past it."""
+def _recv_plain(sock: socket.socket, limit: int = MAX_HELLO) -> dict:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
     if n > limit:
         raise ConnectionError(f"frame of {n} bytes exceeds the limit of {limit}")
+    return _parse(_recv_exact(sock, n))
+
+
+def _parse(data: bytes) -> dict:
     try:
-        obj = json.loads(_recv_exact(sock, n))
+        obj = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise ConnectionError(f"malformed frame ({type(e).__name__})") from None
     if not isinstance(obj, dict):
@@ -109,11 +128,12 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> str:
-    """Challenge the connecting peer; returns its node name or raises :class:`AuthError`."""
+def server_handshake(sock: socket.socket, secret: bytes) -> Tuple[str, Channel]:
+    """Challenge the connecting peer: its node name and the sealed channel to it, or
+    :class:`AuthError`."""
     nonce = os.urandom(32)
     sock.sendall(nonce)
-    hello = recv_frame(sock, MAX_HELLO)
+    hello = _recv_plain(sock)
     node = str(hello.get("node", ""))[:64]
     try:
         their_nonce = bytes.fromhex(str(hello.get("nonce", "")))
@@ -124,31 +144,36 @@ def server_handshake(sock: socket.socket, secret: bytes) -> str:
         proof, _mac(secret, b"client", nonce, node.encode())
     ):
         raise AuthError(f"peer {node or '?'} failed authentication")
-    send_frame(sock, {"proof": _mac(secret, b"server", their_nonce).hex()})
-    return node
+    _send_plain(sock, {"proof": _mac(secret, b"server", their_nonce).hex()})
+    return node, Channel(sock, *session_keys(secret, nonce, their_nonce, is_server=True))
 
 
-def client_handshake(sock: socket.socket, secret: bytes, node: str) -> None:
-    """Answer the server's challenge and check that the server knows the secret too."""
+def client_handshake(sock: socket.socket, secret: bytes, node: str) -> Channel:
+    """Answer the server's challenge, check that the server knows the key too; the sealed
+    channel to it."""
     nonce = _recv_exact(sock, 32)
     mine = os.urandom(32)
-    send_frame(sock, {"node": node, "nonce": mine.hex(),
-                      "proof": _mac(secret, b"client", nonce, node.encode()).hex()})
-    reply = recv_frame(sock)
-    if not hmac.compare_digest(bytes.fromhex(str(reply.get("proof", ""))),
-                               _mac(secret, b"server", mine)):
+    _send_plain(sock, {"node": node, "nonce": mine.hex(),
+                       "proof": _mac(secret, b"client", nonce, node.encode()).hex()})
+    reply = _recv_plain(sock)
+    try:
+        proof = bytes.fromhex(str(reply.get("proof", "")))
+    except ValueError:
+        proof = b""
+    if not hmac.compare_digest(proof, _mac(secret, b"server", mine)):
         raise AuthError("replica server failed authentication")
+    return Channel(sock, *session_keys(secret, nonce, mine, is_server=False))
 
 
-def connect(addr: Tuple[str, int], secret: bytes, node: str, timeout: float = 10.0) -> socket.socket:
+def connect(addr: Tuple[str, int], secret: bytes, node: str, timeout: float = 10.0) -> Channel:
+    """An authenticated, sealed channel to the replica server at ``addr``."""
     sock = socket.create_connection(addr, timeout=timeout)
     tune_socket(sock)
     try:
-        client_handshake(sock, secret, node)
+        return client_handshake(sock, secret, node)
     except BaseException:
         sock.close()
         raise
-    return sock
 
 
 # --------------------------------------------------------------------------- slot streams
@@ -170,20 +195,18 @@ def _pace(sent: int, t0: float, rate_bps: Optional[float]) -> None:
             time.sleep(ahead)
 
 
-def send_stream(sock: socket.socket, regions: list, rate_bps: Optional[float] = None,
+def send_stream(ch: Channel, regions: list, rate_bps: Optional[float] = None,
                 still_valid: Callable[[], bool] = lambda: True) -> int:
-    """Send in-memory regions as chunks, paced to ``rate_bps``; ABORT if the source changed
-    meanwhile."""
+    """Send in-memory regions as sealed chunks, paced to ``rate_bps``; ABORT if the source
+    changed meanwhile."""
     sent, t0 = 0, time.monotonic()
-    step = PACED_CHUNK if rate_bps else max(1, max((len(r) for r in regions), default=1))
     for region in regions:
-        for off in range(0, len(region), step):
-            piece = region[off : off + step]
-            sock.sendall(_U64.pack(len(piece)))
-            sock.sendall(piece)
+        for off in range(0, len(region), PACED_CHUNK):
+            piece = region[off : off + PACED_CHUNK]
+            ch.send(DATA, piece)
             sent += len(piece)
             _pace(sent, t0, rate_bps)
-    sock.sendall(_U64.pack(0 if still_valid() else ABORT))
+    ch.send(END if still_valid() else ABORT)
     return sent
 
 
@@ -231,36 +254,37 @@ class _PipelinedChecksum:
             self._thread.join()
 
 
-def recv_stream_into(sock: socket.socket, regions: list, checksum) -> bool:
-    """Receive chunks into regions (exact sizes), feeding each received piece of at most
-    ``HASH_PIECE`` bytes to ``checksum`` (an object with ``update``, or a
-    :class:`_PipelinedChecksum`) right after it arrived; False if the sender aborted."""
+def recv_stream_into(ch: Channel, regions: list, checksum) -> bool:
+    """Receive sealed chunks into regions (exact sizes; a chunk never spans two regions, as
+    :func:`send_stream` cuts them), feeding each decrypted chunk to ``checksum`` (an object
+    with ``update``, or a :class:`_PipelinedChecksum`) right after it arrived; False if the
+    sender aborted."""
     feed = checksum.feed if isinstance(checksum, _PipelinedChecksum) else checksum.update
     targets = [r for r in regions if len(r)]
     ti, pos = 0, 0
     while True:
-        (n,) = _U64.unpack(_recv_exact(sock, 8))
-        if n == ABORT:
+        left = len(targets[ti]) - pos if ti < len(targets) else 0
+        kind, n = ch.recv_header(max(left, 0))
+        if kind == ABORT:
+            ch.recv_body(memoryview(bytearray()))
             return False
-        if n == 0:
+        if kind == END:
+            ch.recv_body(memoryview(bytearray()))
             if ti != len(targets):
                 raise ConnectionError("stream ended early")
             return True
-        while n:
-            if ti >= len(targets):
-                raise ConnectionError("stream longer than announced")
-            k = min(n, HASH_PIECE, len(targets[ti]) - pos)
-            dst = targets[ti][pos : pos + k]
-            _recv_into(sock, dst)
-            feed(dst)  # may be released by the hashing thread from here on
-            del dst
-            n -= k
-            pos += k
-            if pos == len(targets[ti]):
-                ti, pos = ti + 1, 0
+        if kind != DATA or ti >= len(targets) or not n:
+            raise ConnectionError("stream longer than announced or out of order")
+        dst = targets[ti][pos : pos + n]
+        ch.recv_body(dst)
+        feed(dst)  # may be released by the hashing thread from here on
+        del dst
+        pos += n
+        if pos == len(targets[ti]):
+            ti, pos = ti + 1, 0
 
 
-def receive_slot(sock: socket.socket, path: str, info: dict,
+def receive_slot(ch: Channel, path: str, info: dict,
                  maps: Optional[MapCache] = None) -> bool:
     """Receive one announced snapshot into slot file ``path``; commit only if it verifies.
 
@@ -274,7 +298,7 @@ def receive_slot(sock: socket.socket, path: str, info: dict,
                view[h.data_offset : h.data_offset + data_len]]
     digest = _PipelinedChecksum(P.new_checksum())
     try:
-        if not recv_stream_into(sock, regions, digest):
+        if not recv_stream_into(ch, regions, digest):
             return False
         if digest.finish() != int(info["checksum"]):
             return False
@@ -292,5 +316,5 @@ def receive_slot(sock: socket.socket, path: str, info: dict,
         done_with_map(path, mm, maps, True)
 
 
-__all__ = ["AuthError", "connect", "lower_thread_priority", "receive_slot", "recv_frame",
+__all__ = ["AuthError", "Channel", "connect", "lower_thread_priority", "receive_slot", "recv_frame",
            "send_frame", "send_stream", "server_handshake", "slot_regions", "tune_socket"]
