@@ -45,6 +45,20 @@ class NodeInfo:
     use_agent_store: bool
 
 
+def _authenticated_c10d_handler(params, key: bytes, on_forged):
+    """torch's c10d dynamic rendezvous from its public pieces -- ``create_backend`` makes the
+    ``TCPStore`` exactly as torchrun would, ``create_handler`` the handler -- with the store
+    MAC'd and the handler's pickled state kept by :class:`SealedStoreBackend`."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from ckptrun.store.authenticated import AuthenticatedStore, SealedStoreBackend
+
+    _, raw = create_backend(params)
+    store = AuthenticatedStore(raw, key, on_forged)
+    return create_handler(store, SealedStoreBackend(store, params.run_id), params)
+
+
 def resolve_rdzv(cfg: AgentConfig):
     """torchrun's rules: ``--standalone`` and single-node static become c10d on localhost:0."""
     backend, endpoint, run_id = cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.rdzv_id
@@ -59,14 +73,28 @@ def resolve_rdzv(cfg: AgentConfig):
     return backend, endpoint, run_id, configs
 
 
-class Rendezvous:
-    """A torch rendezvous handler for this agent."""
+def store_key(cfg: AgentConfig) -> Optional[bytes]:
+    """The key every value in the rendezvous store is MAC'd with: from the job secret (one
+    machine: a secret of its own), or None for an ``--insecure`` job, whose store cannot be
+    authenticated (a key agreed through the store would be the store's to read)."""
+    from ckptrun.protocol.job_secret import job_key, local_secret
 
-    def __init__(self, cfg: AgentConfig):
+    if cfg.secret is not None:
+        return job_key(cfg.secret, f"{cfg.rdzv_id}|rendezvous store")
+    return None if cfg.max_nodes > 1 else local_secret()
+
+
+class Rendezvous:
+    """A torch rendezvous handler for this agent, on an authenticated store
+    (:mod:`ckptrun.store.authenticated`) unless the job is ``--insecure``."""
+
+    def __init__(self, cfg: AgentConfig, on_forged: Optional[Callable[[str], None]] = None):
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
         self.cfg = cfg
+        self.key = store_key(cfg)
+        self.on_forged = on_forged
         backend, endpoint, run_id, configs = resolve_rdzv(cfg)
         self.backend = backend
         if backend in ("c10d", "etcd-v2"):
@@ -82,7 +110,9 @@ class Rendezvous:
             # torch's etcd store lacks compare_set, which the job epoch needs.
             from ckptrun.store.etcd import create_etcd_v2_handler
 
-            self.handler = create_etcd_v2_handler(params)
+            self.handler = create_etcd_v2_handler(params, self.key, on_forged)
+        elif backend == "c10d" and self.key is not None:
+            self.handler = _authenticated_c10d_handler(params, self.key, on_forged)
         else:
             self.handler = rdzv_registry.get_rendezvous_handler(params)
         self._static_master = None
@@ -104,9 +134,14 @@ class Rendezvous:
 
             info.store.compare_set(S.MASTER_ADDR_KEY, "", str(addr))
             info.store.compare_set(S.MASTER_PORT_KEY, "", str(port))
+        store = info.store
         if self._static_master is not None:  # torchrun: explicit master for static only
             addr, port = self._static_master
-        return NodeInfo(info.store, info.rank, info.world_size, addr, int(port),
+            if self.key is not None:  # no handler state to seal, but ckptrun's own values
+                from ckptrun.store.authenticated import AuthenticatedStore
+
+                store = AuthenticatedStore(store, self.key, self.on_forged)
+        return NodeInfo(store, info.rank, info.world_size, addr, int(port),
                         self.handler.get_run_id(), bool(self.handler.use_agent_store))
 
     def num_nodes_waiting(self) -> int:

@@ -126,7 +126,9 @@ class Agent:
 
     def _run(self) -> int:
         cfg = self.cfg
-        self.rdzv = Rendezvous(cfg)
+        # a value in the store that is not this job's is dropped, and said so
+        self.rdzv = Rendezvous(cfg, on_forged=lambda key: self.events.emit(
+            "store_forged", key=key[-120:]))
         if not join_round(self):
             return 1
         self.events.emit("start", nnodes=self.info.group_world_size,

@@ -64,11 +64,18 @@ def _as_bytes(value) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-def create_etcd_v2_handler(params):
-    """A dynamic-rendezvous handler on etcd whose store is a :class:`CasEtcdStore`."""
+def create_etcd_v2_handler(params, key=None, on_forged=None):
+    """A dynamic-rendezvous handler on etcd whose store is a :class:`CasEtcdStore`; with
+    ``key``, its values and the handler's pickled state are MAC'd
+    (:mod:`ckptrun.store.authenticated`)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
 
+    from ckptrun.store.authenticated import AuthenticatedBackend, AuthenticatedStore
+
     backend, store = create_backend(params)
-    return create_handler(CasEtcdStore(store.client, store.prefix, store.timeout), backend,
-                          params)
+    cas = CasEtcdStore(store.client, store.prefix, store.timeout)
+    if key is None:
+        return create_handler(cas, backend, params)
+    return create_handler(AuthenticatedStore(cas, key, on_forged),
+                          AuthenticatedBackend(backend, key, on_forged), params)
