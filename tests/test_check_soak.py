@@ -30,7 +30,7 @@ def test_the_schedule_spreads_every_kind_over_distinct_steps_and_is_repeatable()
     faults = schedule(20, list(KINDS), 40, 3, seed=7)
     assert faults == schedule(20, list(KINDS), 40, 3, seed=7)
     steps = [f.step for f in faults]
-    assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] <= 39
+    assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] < 32  # a fifth left for drift
     counts = {k: sum(f.kind == k for f in faults) for k in KINDS}
     assert min(counts.values()) >= 3 and max(counts.values()) <= 4, counts
     assert {f.rank for f in faults} <= {0, 1, 2} and len({f.rank for f in faults}) > 1
