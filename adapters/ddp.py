@@ -166,8 +166,12 @@ class BucketLayouts:
             found = {k: _find_ddp(m) for k, m in self.modules.items()}
             inner = {k: unwrap(m) for k, m in self.modules.items() if found[k] is None}
             if inner:  # one scan of the heap per process (tens of ms), not per save
+                ddp_cls = torch.nn.parallel.DistributedDataParallel
                 for obj in gc.get_objects():
-                    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                    # type(), not isinstance(): isinstance reads obj.__class__, and torch's
+                    # deprecated ``torch.distributed.reduce_op`` warns on every attribute read
+                    # -- the user saw a FutureWarning from each rank at the first save
+                    if issubclass(type(obj), ddp_cls):
                         wrapped = unwrap(obj)
                         for k, m in inner.items():
                             if wrapped is m and found[k] is None:
