@@ -94,7 +94,7 @@ class Channel:
         """The next record's (kind, length); its body must be read with :meth:`recv_body`
         next.  A length above ``limit`` (or :data:`MAX_CHUNK`) ends the connection."""
         head = bytearray(HEADER.size)
-        _recv_into(self.sock, memoryview(head))
+        recv_into(self.sock, memoryview(head))
         kind, n = HEADER.unpack(head)
         if n > min(limit, MAX_CHUNK):
             raise ChannelError(f"a {kind!r} record of {n} bytes exceeds the limit")
@@ -108,7 +108,7 @@ class Channel:
         if len(into) != n:
             raise ChannelError(f"a record of {n} bytes where {len(into)} were expected")
         sealed = memoryview(self._in)[:n + TAG]
-        _recv_into(self.sock, sealed)
+        recv_into(self.sock, sealed)
         try:
             _open_into(self._rx, self._next(False), sealed, self._head, into)
         except InvalidTag:
@@ -123,7 +123,8 @@ class Channel:
         return self._rx_count.to_bytes(12, "big")
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``, all of it, or ConnectionError if the peer closes first."""
     while len(view):
         got = sock.recv_into(view)
         if got == 0:

@@ -33,7 +33,16 @@ import time
 from typing import Callable, Optional, Tuple
 
 from ckptrun import protocol as P
-from ckptrun.tiers.peer.channel import ABORT, DATA, END, FRAME, MAX_CHUNK, Channel, session_keys
+from ckptrun.tiers.peer.channel import (
+    ABORT,
+    DATA,
+    END,
+    FRAME,
+    MAX_CHUNK,
+    Channel,
+    recv_into,
+    session_keys,
+)
 from ckptrun.tiers.peer.copies import MapCache, done_with_map, prepare_slot_file
 
 log = logging.getLogger(__name__)
@@ -61,16 +70,8 @@ def tune_socket(sock: socket.socket) -> None:
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf))
     return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        got = sock.recv_into(view)
-        if got == 0:
-            raise ConnectionError("peer closed the connection")
-        view = view[got:]
 
 
 def send_frame(ch: Channel, obj: dict) -> None:
