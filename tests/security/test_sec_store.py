@@ -123,3 +123,33 @@ def test_a_two_machine_job_under_attack_finishes(tmp_path, monkeypatch):
     assert "rank 0 done" in outs[0][0] and "rank 1 done" in outs[1][0]
     forged = [e for r in runs for e in run_events(str(r)) if e["event"] == "store_forged"]
     assert forged, "the forgeries were not reported"
+
+
+_ATTEMPTS = """
+import os, socket, sys, time
+attempt, port = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["MASTER_PORT"])
+out = sys.argv[1]
+if os.environ["RANK"] == "0":
+    open(os.path.join(out, f"port{attempt}"), "w").write(str(port))
+    if attempt == 2:  # while attempt 2 runs: does attempt 1's store still answer?
+        with socket.socket() as s:
+            s.settimeout(1)
+            open(os.path.join(out, "old_listens"), "w").write(
+                str(s.connect_ex(("127.0.0.1", int(open(os.path.join(out, "port1")).read()))) == 0))
+time.sleep(1)
+if attempt < 2:
+    sys.exit(1)
+"""
+
+
+@pytest.mark.slow
+def test_the_previous_attempts_store_is_closed(tmp_path):
+    """Each restart gives the workers a fresh store; the one before stops listening."""
+    (tmp_path / "job.py").write_text(_ATTEMPTS)
+    proc = subprocess.run(ckptrun_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts",
+                                      "2", "--run-dir", str(tmp_path / "run"),
+                                      str(tmp_path / "job.py"), str(tmp_path)),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "port1").read_text() != (tmp_path / "port2").read_text()
+    assert (tmp_path / "old_listens").read_text() == "False", "attempt 1's store still listens"
