@@ -26,9 +26,9 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 
-from ckptrun.snapshot import shards
+# DCP (and with it DTensor, ~700 modules) is imported where a step is written, not here: an
+# agent starts without it, and torch's rendezvous walks every loaded module at each event
 from ckptrun.tiers.durable.blob import BlobError, tensor_from_blob
 from ckptrun.tiers.durable.index import FORMAT, IndexProblem, check_index
 
@@ -107,6 +107,8 @@ def _storage_info(relative_path: str, offset: int, length: int):
 def _writer(fs, path: str, threads: int):
     """DCP writer: local ``FileSystemWriter`` (real fsync) or ``FsspecWriter`` without sync
     (it would fall back to a machine-wide ``os.sync()``; an object store is durable on upload)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
     if _is_local(fs):
         return FileSystemWriter(path, sync_files=True, thread_count=threads, overwrite=True)
     # torch 2.13 does not re-export FsspecWriter; its module is its only home (dcp uses it too).
@@ -122,6 +124,8 @@ def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int =
     JSON-able part for :func:`finalize`; the step stays invisible until finalized.
 
     Byte-identical tensors of ranks written here are stored once (:func:`shards.plan_chunks`)."""
+    from ckptrun.snapshot import shards
+
     t0 = time.monotonic()
     fs, sdir = _step_dir(url, None if standalone else step)
     try:  # DTensor shards go under one global key at their offsets
@@ -168,6 +172,7 @@ def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int,
     """Make ``step`` visible: DCP's ``.metadata``, then ``ckptrun.json`` (returned) last.
     ``parts`` (every node's :func:`write_parts`) must cover ranks ``0..world_size-1`` once."""
     import ckptrun
+    from ckptrun.snapshot import shards
 
     ranks: Dict[str, Any] = {}
     for part in parts:
@@ -271,6 +276,8 @@ def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
         tensors = list(loaded)
         _check_tree(meta, tensors, f"{sdir} rank {src}")
         return meta, tensors
+    from ckptrun.snapshot import shards
+
     everyone = [e for r in index["ranks"].values() for e in r["tensors"] if "global_shape" in e]
     try:
         return meta, shards.reshard(meta, entry["tensors"], everyone, loaded, rank, int(world_size),
