@@ -63,11 +63,7 @@ def _cold_restarts_unless_marked(request, monkeypatch):
         monkeypatch.setenv("CKPTRUN_WARM_SPARES", "0")
 
 
-_TEST_SECRET = os.urandom(32).hex()
-
-
-@pytest.fixture(autouse=True)
-def _job_secret(monkeypatch):
-    """Every job the tests start has a job secret, as a user's multi-machine job must
-    (``CKPTRUN_SECRET``); the tests of a job without one remove it themselves."""
-    monkeypatch.setenv("CKPTRUN_SECRET", _TEST_SECRET)
+# Every job the tests start has a job secret, as a user's multi-machine job must; set for the
+# whole session (module- and session-scoped fixtures start jobs before any function-scoped
+# fixture runs).  The tests of a job without one remove it themselves.
+os.environ.setdefault("CKPTRUN_SECRET", os.urandom(32).hex())
