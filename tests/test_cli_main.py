@@ -29,7 +29,7 @@ def fake_agent(monkeypatch):
     mod = types.ModuleType("ckptrun.agent.supervisor")
     mod.code = 0
 
-    def run_agent(cfg):
+    def run_agent(cfg, user_umask=None):
         calls.append(cfg)
         return mod.code
 

@@ -226,7 +226,7 @@ class SealedStoreBackend:
     _NONE = b"\0ckptrun: no rendezvous state"
 
     def __init__(self, store: AuthenticatedStore, run_id: str) -> None:
-        self._store, self._key = store, f"ckptrun.rendezvous.state.{run_id}"
+        self._store, self._key = store, f"ckptrun/rendezvous-state/{run_id}"
         self._last: Optional[bytes] = None  # the newest genuine state seen
         self._call("compare_set", self._key, "", self._NONE)
 

@@ -72,7 +72,7 @@ def test_a_pickle_in_the_rendezvous_state_is_never_unpickled(raw, tmp_path, monk
     monkeypatch.setenv("CKPTRUN_TEST_MARK", str(mark))
     forged = []
     backend = SealedStoreBackend(AuthenticatedStore(raw, KEY, forged.append), "job1")
-    raw.set("ckptrun.rendezvous.state.job1", pickle.dumps(_Payload()))
+    raw.set("ckptrun/rendezvous-state/job1", pickle.dumps(_Payload()))
     assert backend.get_state() is None  # a forgery reads as no state ...
     state = pickle.dumps({"round": 1})
     got = backend.set_state(state, None)
@@ -115,7 +115,7 @@ def test_a_two_machine_job_under_attack_finishes(tmp_path, monkeypatch):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert any("rendezvous.state" in k for k in forged_keys), forged_keys
+    assert any("rendezvous-state" in k for k in forged_keys), forged_keys
     for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert "Traceback" not in err
