@@ -187,8 +187,9 @@ def test_three_machines_one_lost_restores_from_its_peer(tmp_path, references):
     report("3 machines, one lost", loss, step)
     lost = of(loss.survivors[0].run_dir, "node_lost")[0]
     # the peer copy trails the newest step by the replication rounds in flight; on a loaded
-    # 2-core machine the rounds are paced (--replication-budget), so a few steps
-    assert 0 <= lost["step"] - step <= 6
+    # 2-core machine the rounds are paced (--replication-budget), and since replication is
+    # encrypted a round costs about twice the CPU, so the pacer runs half as many: CI saw 8
+    assert 0 <= lost["step"] - step <= 12
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
 
     # every machine's status names the machines holding its copies, each with its step

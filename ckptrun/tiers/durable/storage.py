@@ -46,6 +46,14 @@ class StorageError(Exception):
     """A durable-storage problem, with a one-line message fit for the command line."""
 
 
+def warm_up() -> None:
+    """Import what writing a step needs (DCP), ahead of the first persist: imported then, it
+    cost that persist a second or two under load, and the steps it was to catch went by."""
+    from torch.distributed.checkpoint import FileSystemWriter  # noqa: F401
+
+    from ckptrun.snapshot import shards  # noqa: F401
+
+
 def _fs(url: str):
     """``(filesystem, path)`` for ``url``; local paths become absolute."""
     from fsspec.core import url_to_fs

@@ -60,6 +60,9 @@ class DurableTier(Tier):
                                         self.memory, ctx.emit, self.url,
                                         every_steps=self.every_steps)
             reader, write = self.rounds.read, self.rounds.write
+        # DCP is imported off the main thread now that the rendezvous is done (it slows
+        # torch's rendezvous events, each of which walks every loaded module)
+        threading.Thread(target=storage.warm_up, name="ckptrun-dcp-import", daemon=True).start()
         if ctx.node == 0:
             self.persister = Persister(
                 self.url, reader=reader, write=write, world_size=self.world_size,
