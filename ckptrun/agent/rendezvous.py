@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun.config import AgentConfig
-from ckptrun.protocol.job_secret import ENV_SECRET, ENV_SECRET_FILE
+from ckptrun.protocol.job_secret import ENV_SECRET, ENV_SECRET_FILE, job_key, local_secret
 from ckptrun.store.kvstore import wait_keys
 
 KEY_PREFIX = "ckptrun/"
@@ -77,8 +77,6 @@ def store_key(cfg: AgentConfig) -> Optional[bytes]:
     """The key every value in the rendezvous store is MAC'd with: from the job secret (one
     machine: a secret of its own), or None for an ``--insecure`` job, whose store cannot be
     authenticated (a key agreed through the store would be the store's to read)."""
-    from ckptrun.protocol.job_secret import job_key, local_secret
-
     if cfg.secret is not None:
         return job_key(cfg.secret, f"{cfg.rdzv_id}|rendezvous store")
     return None if cfg.max_nodes > 1 else local_secret()

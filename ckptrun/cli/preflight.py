@@ -70,16 +70,10 @@ def _check_shm_room(cfg: AgentConfig) -> None:
     """When the state's size is known before the start (``--resume-from``, or a durable step
     of this run), refuse a /dev/shm too small for this node's snapshot slots: Docker's 64 MB
     default otherwise kills workers with SIGBUS mid-run (DLRover's failure)."""
-    source = cfg.resume_from or cfg.persist_to
-    local = _local_path(source)
-    if local is not None and not _has_step_dirs(local):
-        # nothing durable yet (a first start): the storage module imports DCP and DTensor,
-        # a second of start-up and ~700 modules more for torch's rendezvous to walk
-        return
-    from ckptrun.tiers.durable import storage
+    from ckptrun.tiers.durable import storage  # light: DCP is imported only to write a step
 
     try:
-        url, _ = storage.resolve(source)
+        url, _ = storage.resolve(cfg.resume_from or cfg.persist_to)
         index = storage.read_index(url, None)
     except Exception:  # noqa: BLE001 -- nothing durable yet: the first save checks instead
         return
@@ -96,16 +90,6 @@ def _check_shm_room(cfg: AgentConfig) -> None:
             f"{need / 2**20:.0f} MiB ({cfg.nproc_per_node} ranks x {cfg.num_slots} slots x "
             f"{per_rank / 2**20:.0f} MiB, from {url}); enlarge it (docker run --shm-size, or a "
             "Kubernetes emptyDir with medium: Memory)")
-
-
-def _has_step_dirs(path: str) -> bool:
-    """Whether ``path`` is a step directory or holds one (``step-<N>``)."""
-    if os.path.isfile(os.path.join(path, "ckptrun.json")):
-        return True
-    try:
-        return any(n.startswith("step-") for n in os.listdir(path))
-    except OSError:
-        return False
 
 
 def _port_free(port: int) -> bool:

@@ -35,13 +35,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from ckptrun.store.kvstore import as_bytes
+
 MAGIC = b"ckS1"
 TAG = 16
 REPORT_S = 10.0
-
-
-def _bytes(v) -> bytes:
-    return v if isinstance(v, (bytes, bytearray)) else str(v).encode()
 
 
 class _Sealer:
@@ -92,7 +90,7 @@ class AuthenticatedStore(dist.Store):
 
     # -- values: sealed on the way in, checked on the way out ----------------------------
     def set(self, key: str, value) -> None:
-        value = _bytes(value)
+        value = as_bytes(value)
         self._inner.set(key, self._sealer.seal(key, value))
         self._sealer.last[key] = value
 
@@ -113,7 +111,7 @@ class AuthenticatedStore(dist.Store):
             self.set(k, v)
 
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
-        expected, desired = _bytes(expected_value), _bytes(desired_value)
+        expected, desired = as_bytes(expected_value), as_bytes(desired_value)
         sealed_desired = self._sealer.seal(key, desired)
         while True:
             # a MAC is a function of (name, value): the sealed form of ``expected`` is the
@@ -219,8 +217,9 @@ class SealedStoreBackend:
 
     torch's own ``C10dRendezvousBackend`` base64-decodes what it reads *before* anything
     could check it, so garbage there stops the rendezvous; this one never decodes.  A state
-    that vanished after one was seen (a forgery dropped) is put back from the last one seen:
-    torch never removes its state, and an empty one would read as "every node left"."""
+    that vanished after one was seen (deleted by someone who can reach the store, or a
+    forgery removed) is put back from the last one seen: torch never removes its state, and
+    an empty one would read as "every node left"."""
 
     name = "c10d"
     _NONE = b"\0ckptrun: no rendezvous state"
@@ -241,7 +240,7 @@ class SealedStoreBackend:
         raw = self._call("compare_set", self._key, expected, bytes(state))
         if raw == expected != bytes(state):
             # c10d answers a compare-and-set on a missing key with ``expected``: the key is
-            # gone (a forgery was just dropped), so this write creates it
+            # gone (deleted, or a forgery removed), so this write creates it
             raw = self._call("compare_set", self._key, "", bytes(state))
         if raw == self._NONE:
             return None

@@ -19,6 +19,8 @@ from typing import List, Sequence
 
 from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
+from ckptrun.store.kvstore import as_bytes
+
 _CAS_RETRY_S = 0.01
 
 
@@ -32,7 +34,7 @@ class CasEtcdStore(EtcdStore):
         import etcd  # python-etcd: present whenever torch's etcd backend could be created
 
         path = self.prefix + self._encode(key)
-        expected = _as_bytes(expected_value)
+        expected = as_bytes(expected_value)
         desired = self._encode(desired_value)
         while True:
             try:
@@ -42,7 +44,7 @@ class CasEtcdStore(EtcdStore):
                     return expected
                 try:
                     self.client.write(key=path, value=desired, prevExist=False)
-                    return _as_bytes(desired_value)
+                    return as_bytes(desired_value)
                 except etcd.EtcdAlreadyExist:
                     time.sleep(_CAS_RETRY_S)  # created meanwhile: compare with that value
                     continue
@@ -51,7 +53,7 @@ class CasEtcdStore(EtcdStore):
                 return current
             try:
                 self.client.test_and_set(key=path, value=desired, prev_value=node.value)
-                return _as_bytes(desired_value)
+                return as_bytes(desired_value)
             except etcd.EtcdCompareFailed:
                 time.sleep(_CAS_RETRY_S)  # changed meanwhile: compare again
 
@@ -59,9 +61,6 @@ class CasEtcdStore(EtcdStore):
         """Values of ``keys`` (each waited for like ``get``)."""
         return [self.get(k) for k in keys]
 
-
-def _as_bytes(value) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def create_etcd_v2_handler(params, key=None, on_forged=None):

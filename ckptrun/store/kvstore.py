@@ -20,6 +20,11 @@ WAIT_SLICE_S = 0.5  # the longest interval between two looks at the store
 FIRST_POLL_S = 0.001
 
 
+def as_bytes(value) -> bytes:
+    """A store value as bytes: torch's stores take ``str`` and ``bytes`` alike."""
+    return value if isinstance(value, (bytes, bytearray)) else str(value).encode()
+
+
 def own_client(store):
     """A client of the same store (same prefix) that no other thread waits on.
 

@@ -30,7 +30,8 @@ class BlobError(ValueError):
 def tensor_from_blob(buf: bytearray, shape: List[int], dtype: torch.dtype) -> torch.Tensor:
     """The tensor of ``shape``/``dtype`` whose storage is the one record ``*/data/<k>`` of the
     ``torch.save`` archive in ``buf``; it shares ``buf``'s memory (no copy) where aligned."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * size
     try:
         with zipfile.ZipFile(_View(buf)) as z:
             records = [i for i in z.infolist() if _is_storage(i.filename)]
@@ -52,7 +53,6 @@ def tensor_from_blob(buf: bytearray, shape: List[int], dtype: torch.dtype) -> to
         raise BlobError("the tensor data runs past the end of the blob")
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start) if nbytes \
         else torch.empty(0, dtype=torch.uint8)
-    size = torch.empty((), dtype=dtype).element_size()
     if start % size:  # a view to a wider dtype needs an aligned offset: copy instead
         flat = flat.clone()
     return flat.view(dtype).reshape(shape)

@@ -165,7 +165,8 @@ class ReplicaServer:
             raise BadRequest(f"rank {rank} is not one this machine keeps copies of")
         field_int(req, "step", 1, 1 << 62)
         field_int(req, "checksum", 0, (1 << 64) - 1)
-        field_int(req, "world_size", 0, MAX_RANK) if "world_size" in req else None
+        if "world_size" in req:
+            field_int(req, "world_size", 0, MAX_RANK)
         meta_len = field_int(req, "meta_len", 0, MAX_META)
         data_len = field_int(req, "data_len", 0, 1 << 50)
         path = self.store.incoming_path(rank)
