@@ -179,7 +179,7 @@ class Agent:
         if attempt == 0 and self.restore.get("step"):  # the same command run again
             to_stderr(f"resuming from step {self.restore['step']} ({self.restore['tier']})")
         elif attempt == 0 and cfg.resume_from:  # asked for a checkpoint: never a fresh start
-            why = next((t.rejected for t in self.tiers if getattr(t, "rejected", None)), None)
+            why = next((t.rejected for t in self.tiers if t.rejected), None)
             raise ResumeRefused(f"--resume-from {cfg.resume_from} cannot be restored: "
                                 f"{why or 'no step every rank can read'}")
         master_addr, port = self.coord.master_port(attempt, info, self._own_addr)

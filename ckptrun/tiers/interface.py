@@ -58,6 +58,8 @@ class Tier(ABC):
 
     #: ``"memory"``, ``"peer"`` or ``"storage"``: names the agreement rounds and the events
     name: str = ""
+    #: why the last copy this tier offered was refused (damaged, crafted), for the user; None
+    rejected: Optional[str] = None
 
     @abstractmethod
     def offers(self, ranks: List[int], attempt: int, max_step: Optional[int]) -> List[int]:

@@ -43,7 +43,6 @@ class DurableTier(Tier):
         self.ranks: List[int] = ctx.ranks
         self.world_size = ctx.world_size
         self.restored_from_storage: Optional[int] = None
-        self.rejected: Optional[str] = None  # why the last durable copy offered was refused
         self.emit = ctx.emit
         self._where: Dict[int, Tuple[str, Optional[int]]] = {}  # offered step -> (url, step)
         # reads pin the slot they copy, so the worker writes its next snapshots elsewhere
