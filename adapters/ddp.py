@@ -18,9 +18,11 @@ the order the gradients became ready.  With three or more ranks the float sum of
 depends on where it sits in the bucket it is reduced in, so the first iteration after a
 restore -- a new process -- summed differently from the uninterrupted run.  The adapter
 records the layout DDP settled on (:class:`BucketLayouts`, a small entry of every snapshot)
-and, in a process that restores one, reduces its first iteration's gradients in exactly those
-buckets (:class:`FirstIterationAsSettled`, a comm hook); from the second iteration on DDP's
-own regrouping gives the same layout again.  A fresh process runs plain DDP: nothing is added
+and, in a process that restores one, builds DDP's reducer again with exactly those buckets
+(:func:`rebuild_reducer`) before its first iteration; from the second iteration on DDP's own
+regrouping gives the same layout again, and the restored process runs plain DDP.  Where a
+torch's internals do not allow the rebuild, a comm hook reduces the first iteration in the
+settled buckets instead (:class:`FirstIterationAsSettled`).  A fresh process runs plain DDP: nothing is added
 to a job that never fails.  A DDP that has a comm hook of its own is left alone.
 :func:`make_exact` (one all-reduce per parameter) is still there for scripts that use it.
 """
@@ -194,7 +196,69 @@ class BucketLayouts:
         for key, layout in (sd.get("buckets") or {}).items():
             if key in ddps and layout:
                 self._known[key] = [[int(i) for i in b] for b in layout]
-                FirstIterationAsSettled.arm(ddps[key], self._known[key])
+                give_back_layout(ddps[key], self._known[key])
+
+
+def give_back_layout(ddp: torch.nn.parallel.DistributedDataParallel,
+                     layout: List[List[int]]) -> Optional[str]:
+    """Make a restored process's DDP reduce its first iteration in ``layout`` (the buckets
+    the process that took the snapshot had settled on).  Returns how: ``"rebuilt"`` (DDP's
+    reducer built again in that layout: plain DDP from then on, nothing on its path),
+    ``"hook"`` (:class:`FirstIterationAsSettled`, where the reducer cannot be rebuilt on this
+    torch), or None (the DDP has a comm hook of its own, or the layout does not fit)."""
+    if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_ckptrun_exact", None):
+        return None
+    if rebuild_reducer(ddp, layout):
+        return "rebuilt"
+    return "hook" if FirstIterationAsSettled.arm(ddp, layout) is not None else None
+
+
+def rebuild_reducer(ddp: torch.nn.parallel.DistributedDataParallel,
+                    layout: List[List[int]]) -> bool:
+    """Build ``ddp``'s reducer again with ``layout`` as its buckets, before its first
+    iteration; False (and ``ddp`` untouched) where that cannot be done.
+
+    Why a rebuild rather than a hook: a comm hook stays on every iteration, and DDP then no
+    longer fuses the 1/world-size scaling into its gradient copy -- an extra pass over the
+    gradients and a Python call per bucket, 5-11% of a step in benchmarks/ddp_exact.py.
+    DDP's own ``_ddp_init_helper`` (what its unpickling runs) builds the reducer; the bucket
+    assignment it asks torch for is answered with the settled layout.  The new reducer still
+    regroups after its first iteration, by the same gradient order, into the same buckets.
+    The old reducer's autograd hooks go with it (its destructor removes them)."""
+    try:
+        if getattr(ddp, "_has_rebuilt_buckets", False):
+            return False  # trained already in this process: its layout is DDP's own
+        if getattr(ddp, "mixed_precision", None) is not None \
+                or getattr(ddp, "_use_python_reducer", False) \
+                or getattr(ddp, "_delay_all_reduce_all_params", False):
+            return False
+        ours = reducer_params(ddp)
+        parameters, expect_sparse = ddp._build_params_for_reducer()
+        if [id(p) for p in parameters] != [id(p) for p in ours] \
+                or sorted(i for b in layout for i in b) != list(range(len(ours))):
+            return False
+        names = ddp._build_debug_param_to_name_mapping(parameters)
+    except Exception:  # noqa: BLE001  (another torch's internals: the hook instead)
+        return False
+    cap = int(getattr(ddp, "bucket_bytes_cap", 25 * 1024 * 1024))
+    # DDP reverses the assignment it is given (reduction starts with the last parameters)
+    assignment = ([list(b) for b in reversed(layout)], [cap] * len(layout))
+    original = dist._compute_bucket_assignment_by_size
+    old = (ddp.reducer, ddp.logger)
+    dist._compute_bucket_assignment_by_size = lambda *a, **k: assignment
+    try:
+        ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
+        if ddp.static_graph:
+            ddp.reducer._set_static_graph()
+            ddp.logger._set_static_graph()
+    except Exception as exc:  # noqa: BLE001
+        ddp.reducer, ddp.logger = old
+        log.info("ckptrun: DDP's reducer could not be rebuilt (%s): a comm hook instead", exc)
+        return False
+    finally:
+        dist._compute_bucket_assignment_by_size = original
+    del old
+    return True
 
 
 def _first_iteration_hook(state, bucket):  # type: ignore[no-untyped-def]  (see below)

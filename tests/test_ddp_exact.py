@@ -22,8 +22,10 @@ SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 
 @pytest.mark.parametrize("nproc", [3, 4])
 def test_a_new_process_reduces_its_first_iteration_like_the_settled_run(tmp_path, nproc):
-    """Armed with the settled layout, a new DDP's first two iterations give the reference's
-    gradients bit for bit; without it they do not (so the test can tell)."""
+    """Given the settled layout, a new DDP's first two iterations give the reference's
+    gradients bit for bit -- by its reducer built again in that layout (no comm hook left
+    on it), and by the comm hook that is the fallback; without it they do not (so the test
+    can tell)."""
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(nproc),
@@ -32,7 +34,9 @@ def test_a_new_process_reduces_its_first_iteration_like_the_settled_run(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["buckets"] >= 2, got  # DDP did settle on several buckets
-    assert got["armed"] is True and got["emulated"] == got["buckets"], got
+    assert got["how"] == "rebuilt" and got["hooked_after"] is False, got
+    assert got["rebuilt"] is True, got
+    assert got["hook"] is True and got["emulated"] == got["buckets"], got
     assert got["plain"] is False, got
 
 

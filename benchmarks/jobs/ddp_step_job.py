@@ -1,11 +1,11 @@
-"""DDP step time with and without the comm hook a restored process runs (3+ ranks, gloo).
+"""DDP step time of a fresh process and of one that restored a snapshot (3+ ranks, gloo).
 
 Launched by ``benchmarks/ddp_exact.py`` under ``torch.distributed.run``.  Two models of the
 same shape train in alternating blocks of steps in the same processes: ``plain`` is DDP as a
-fresh process runs it (nothing of ckptrun on its path), ``restored`` is DDP with
-``FirstIterationAsSettled`` armed, as in a process that restored a snapshot (its first
-iteration reduces in the settled buckets, every later one through the hook's exact copy of
-DDP's own reduction).  Rank 0 writes ``{"plain": [block medians s], "restored": [...],
+fresh process runs it (nothing of ckptrun on its path), ``restored`` is DDP given the
+settled bucket layout back as a restore does (``ckptrun.adapters.ddp.give_back_layout``:
+its reducer built again in those buckets, or the comm hook where that cannot be done; the
+row names which).  Rank 0 writes ``{"plain": [block medians s], "restored": [...],
 "param_bytes": n}`` to ``--out``.
 """
 
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from ckptrun.adapters.ddp import FirstIterationAsSettled, reducer_params, settled_layout
+from ckptrun.adapters.ddp import give_back_layout, reducer_params, settled_layout
 
 
 def build(width: int, layers: int) -> nn.Module:
@@ -54,9 +54,9 @@ def main() -> None:
         step(plain, plain_opt, x)
     layout = settled_layout(plain, len(reducer_params(plain)))
     restored = nn.parallel.DistributedDataParallel(build(args.width, args.layers))
-    FirstIterationAsSettled.arm(restored, layout)
+    how = give_back_layout(restored, layout)
     restored_opt = torch.optim.SGD(restored.parameters(), lr=1e-3)
-    step(restored, restored_opt, x)  # the emulated first iteration: not timed
+    step(restored, restored_opt, x)  # the first iteration in the settled layout: not timed
     runs = {"plain": (plain, plain_opt), "restored": (restored, restored_opt)}
     medians = {name: [] for name in runs}
     for _ in range(args.blocks):
@@ -71,7 +71,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
         with open(args.out, "w") as f:
-            json.dump({**medians, "param_bytes": nbytes, "buckets": len(layout or [])}, f)
+            json.dump({**medians, "param_bytes": nbytes, "buckets": len(layout or []),
+                       "how": how}, f)
     dist.barrier()
     os._exit(0)  # DDP holds the gloo group in a reference cycle: no teardown at shutdown
 

@@ -4,9 +4,12 @@ replaces?  (``torch.distributed.run`` launches it; rank 0 writes the JSON result
 A reference DDP trains 4 iterations (SGD) and keeps every iteration's averaged gradients.  A
 second DDP -- what a restored process builds -- starts from the reference's weights after
 iteration 2, with the bucket layout the reference settled on handed to
-``ckptrun.adapters.ddp.FirstIterationAsSettled`` (``armed``) or not (``plain``), and trains
-iterations 3 and 4 on the same batches.  Writes ``{"armed": bool, "plain": bool,
-"emulated": n, "buckets": n}``: whether each run's gradients equal the reference's bitwise.
+``ckptrun.adapters.ddp.give_back_layout`` (``rebuilt``: the reducer built again in it), to
+``FirstIterationAsSettled`` (``hook``: the fallback), or to neither (``plain``), and trains
+iterations 3 and 4 on the same batches.  Writes ``{"rebuilt": bool, "hook": bool, "plain":
+bool, "how": str, "hooked_after": bool, "emulated": n, "buckets": n}``: whether each run's
+gradients equal the reference's bitwise, how the layout was given back, whether the rebuilt
+DDP has a comm hook, and how many buckets the hook reduced in the settled layout.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from ckptrun.adapters.ddp import FirstIterationAsSettled, reducer_params, settled_layout
+from ckptrun.adapters.ddp import (
+    FirstIterationAsSettled,
+    give_back_layout,
+    reducer_params,
+    settled_layout,
+)
 
 
 def model() -> nn.Module:
@@ -52,13 +60,18 @@ def main() -> None:
     grads += train(ref, ref_opt, [3, 4])
     layout = settled_layout(ref, len(reducer_params(ref)))
     result = {"buckets": len(layout or [])}
-    for armed in (True, False):
+    for how in ("rebuilt", "hook", "plain"):
         m = model()
         m.load_state_dict(weights)
         ddp = nn.parallel.DistributedDataParallel(m)
-        hook = FirstIterationAsSettled.arm(ddp, layout) if armed else None
+        hook = None
+        if how == "rebuilt":
+            result["how"] = give_back_layout(ddp, layout)
+            result["hooked_after"] = bool(getattr(ddp, "_comm_hooks", None))
+        elif how == "hook":
+            hook = FirstIterationAsSettled.arm(ddp, layout)
         again = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), [3, 4])
-        result["armed" if armed else "plain"] = all(
+        result[how] = all(
             torch.equal(a, b) for got, want in zip(again, grads[2:]) for a, b in zip(got, want))
         if hook is not None:
             result["emulated"] = hook.emulated
