@@ -55,6 +55,9 @@ class AgentConfig:
     duplicate_stderr_filters: List[str] = field(default_factory=list)
     event_log_handler: str = "null"  # torch.distributed.elastic.events handler for our events
     virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES = the worker's GPU
+    numa_binding: Optional[str] = None  # --numa-binding: workers on their GPU's CPUs
+    metrics_port: Optional[int] = None  # --metrics-port (0: any free port); None: no metrics
+    metrics_addr: str = "127.0.0.1"
 
     # --- ckptrun's own options -----------------------------------------------------------
     run_dir: str = ""  # resolved by args.py: ckptrun-runs/<run-id> by default

@@ -1,7 +1,9 @@
 """torchrun parity: the scenarios of PyTorch's own launcher tests, in our words, run
 against both launchers -- what the script sees, ``--run-path``, ``--virtual-local-rank``,
 the log line template and duplicate filters, the failure summary of a ``@record`` entry
-point -- and the torchrun options ckptrun cannot apply, refused with one line."""
+point, options from ``PET_*`` variables, ``--nproc-per-node cpu``, an elastic ``--nnodes
+MIN:MAX`` job that starts with the nodes it has -- and the torchrun options ckptrun cannot
+apply, refused with one line."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -20,11 +23,12 @@ BIN = os.path.dirname(sys.executable)
 LAUNCHERS = ["torchrun", "ckptrun"]
 
 
-def launch(launcher: str, tmp_path, *args: str, env=None, cwd=None, timeout=120):
+def launch(launcher: str, tmp_path, *args: str, env=None, cwd=None, timeout=120,
+           standalone=True):
     """The installed console script, as a user types it (``python -m`` would put the
     current directory first on the launcher's own sys.path)."""
     os.makedirs(tmp_path, exist_ok=True)
-    cmd = [os.path.join(BIN, launcher), "--standalone"]
+    cmd = [os.path.join(BIN, launcher)] + (["--standalone"] if standalone else [])
     if launcher == "ckptrun":
         cmd += ["--run-dir", str(tmp_path / "run")]
     full_env = dict(os.environ, **(env or {}))
@@ -139,7 +143,8 @@ def test_a_failed_job_ends_with_torchruns_failure_summary(tmp_path, launcher):
 
 @pytest.mark.parametrize("args,message", [
     (["--logs-specs", "mine"], "--logs-specs mine: ckptrun writes the worker logs itself"),
-    (["--numa-binding", "node"], "--numa-binding node: not supported by ckptrun yet"),
+    (["--numa-binding", "node"], "--numa-binding node binds each worker to the CPUs near "
+                                 "its GPU (GPU index = local rank); this machine has no CUDA"),
     (["--event-log-handler", "nowhere"], "--event-log-handler 'nowhere' is not a registered"),
 ])
 def test_options_that_cannot_apply_are_refused_in_one_line(tmp_path, args, message):
@@ -162,3 +167,38 @@ def test_warnings_for_options_standalone_overrides_and_events_to_a_torch_handler
     names = [json.loads(line)["name"] for line in proc.stderr.splitlines()
              if line.startswith('{"name": "ckptrun.')]
     assert names[0] == "ckptrun.start" and names[-1] == "ckptrun.finished", proc.stderr
+
+
+@pytest.mark.slow
+def test_options_from_pet_variables_and_one_worker_per_cpu(tmp_path):
+    """No launcher options but the script: ``PET_NPROC_PER_NODE=cpu`` (one worker per CPU,
+    as ``--nproc-per-node cpu``) and ``PET_MAX_RESTARTS`` come from the environment."""
+    seen = {}
+    env = {"PET_NPROC_PER_NODE": "cpu", "PET_MAX_RESTARTS": "0", "PET_STANDALONE": "1"}
+    for launcher in LAUNCHERS:
+        proc = launch(launcher, tmp_path / launcher, PROBE, "--mode", "show", env=env,
+                      standalone=False)
+        assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
+        seen[launcher] = {r: (p["world_size"], p["local_world_size"])
+                          for r, p in probes(proc.stdout).items()}
+    n = os.cpu_count()
+    assert seen["ckptrun"] == seen["torchrun"] == {r: (str(n), str(n)) for r in range(n)}, seen
+
+
+@pytest.mark.slow
+def test_an_elastic_job_starts_with_the_nodes_it_has(tmp_path):
+    """``--nnodes 1:2`` with a c10d rendezvous and one machine: after the last call it
+    starts with one node, as torchrun does; the script sees one node's world."""
+    seen = {}
+    for launcher in LAUNCHERS:
+        with socket.socket() as s:  # a free port for this launcher's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = launch(launcher, tmp_path / launcher, "--nnodes", "1:2", "--nproc-per-node",
+                      "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                      "--rdzv-id", f"elastic-{launcher}", "--rdzv-conf", "last_call_timeout=1",
+                      PROBE, "--mode", "show", standalone=False, timeout=180)
+        assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
+        seen[launcher] = {r: (p["world_size"], p["group_world_size"])
+                          for r, p in probes(proc.stdout).items()}
+    assert seen["ckptrun"] == seen["torchrun"] == {0: ("2", "1"), 1: ("2", "1")}, seen

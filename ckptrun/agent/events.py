@@ -51,6 +51,9 @@ class EventLog:
         self.forward_to = forward_to
         self.path = os.path.join(self.run_dir, EVENTS_FILE)
         self._lock = threading.Lock()  # one write at a time from this process's threads
+        # called with every record written (e.g. the agent's metrics); an error in one is
+        # logged, never raised into the code that emitted the event
+        self.listeners: List[Callable[[Dict[str, Any]], None]] = []
         self._fd: Optional[int] = os.open(
             self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600
         )
@@ -79,6 +82,11 @@ class EventLog:
             self.echo(text)
         if self.forward_to != "null":
             _forward(record, self.forward_to)
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception as exc:  # noqa: BLE001
+                print(f"ckptrun: warning: event listener failed: {exc}", file=sys.stderr)
         return record
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr,
 from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
+from ckptrun.agent.metrics import AgentMetrics, MetricsServer
 from ckptrun.agent.reaper import Reaper, unlink_shm
 from ckptrun.agent.rendezvous import (
     FAILED,
@@ -96,9 +97,19 @@ class Agent:
         self._intervals: Dict[int, int] = {}  # rank -> snapshot interval last logged
         self.loops = RestartLoops()
         self.stopped_by: Optional[int] = None  # the signal that stopped the job
+        self.metrics: Optional[AgentMetrics] = None
+        self.metrics_server: Optional[MetricsServer] = None
 
     def run(self) -> int:
         code = 1
+        if self.cfg.metrics_port is not None:
+            try:
+                self._serve_metrics()
+            except OSError as exc:  # the port is taken, the address not this machine's
+                print(f"ckptrun: error: --metrics-port {self.cfg.metrics_port} on "
+                      f"{self.cfg.metrics_addr}: {exc.strerror or exc}", file=sys.stderr)
+                self.events.close()
+                return 2
         self.reaper = Reaper(self.token)
         self.control = P.ControlBlock(P.control_path(self.token), self.cfg.nproc_per_node,
                                       create=True)
@@ -120,6 +131,13 @@ class Agent:
             for s, h in old.items():
                 signal.signal(s, h)
         return code
+
+    def _serve_metrics(self) -> None:
+        """Start ``--metrics-port`` before anything else: a port in use is one line, exit 2."""
+        self.metrics = AgentMetrics()
+        self.metrics_server = MetricsServer(self.metrics, self.cfg.metrics_port,
+                                            self.cfg.metrics_addr)
+        self.events.listeners.append(self.metrics.event)
 
     def _on_signal(self, signum, frame) -> None:  # raised wherever the main thread is
         raise AgentSignal(signum)
@@ -403,7 +421,10 @@ class Agent:
         if not force and now - self._last_status < 0.5:
             return
         self._last_status = now
-        write_json_atomic(os.path.join(self.run_dir, "status.json"), self.status())
+        st = self.status()
+        write_json_atomic(os.path.join(self.run_dir, "status.json"), st)
+        if self.metrics is not None:
+            self.metrics.status(st)
 
     def status(self) -> dict:
         """The ``status.json`` object (DESIGN §1 keys plus the agent's own)."""
@@ -435,6 +456,7 @@ class Agent:
             "failures": self.failures, "slots": slots,
             "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
             "spare_pids": self.launcher.spare_pids(),
+            "metrics_url": self.metrics_server.url if self.metrics_server else None,
         }
 
     def _shutdown(self, code: int) -> None:
@@ -451,6 +473,8 @@ class Agent:
             with contextlib.suppress(Exception):
                 self._write_status(force=True)
             self.events.emit("finished", exit_code=code)
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             if code == 1 and self.stopped_by is None and self.exits:
                 with contextlib.suppress(Exception):  # as torchrun: the first failure's story
                     sys.stderr.write(failure_summary(self.cfg.script, self.exits) + "\n")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -26,11 +27,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import psutil
 
 from ckptrun.agent.logs import Pump, StreamRoute, attach_pumps, stream_routes
+from ckptrun.agent.numa import Binder
 from ckptrun.agent.stopping import (
     EXIT_POLL_S,
     PF_EXITING,
@@ -51,10 +53,13 @@ except (OSError, AttributeError):  # not Linux: orphans are left to the reaper
     _prctl = None
 
 
-def _child_setup() -> None:
-    """Runs in the child between fork and exec: die with the agent."""
+def _child_setup(cpus: Optional[FrozenSet[int]] = None) -> None:
+    """Runs in the child between fork and exec: die with the agent; on ``cpus`` only
+    (``--numa-binding``), as ``numactl --physcpubind`` would put it."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 # ---------------------------------------------------------------------------- processes
@@ -111,7 +116,10 @@ class Worker:
         return {"rank": self.global_rank, "local_rank": self.local_rank, "node": node,
                 "pid": self.pid, "step": rec["step"], "warm": self.warm,
                 "state": "running" if code is None else "succeeded" if code == 0 else "failed",
-                "heartbeat_age_s": round(now - rec["heartbeat"], 3) if rec["beats"] else None}
+                "heartbeat_age_s": round(now - rec["heartbeat"], 3) if rec["beats"] else None,
+                # the snapshots of this process (0 before its first save)
+                "saves": rec["saves"], "save_block_s": round(rec["save_block_s"], 6),
+                "save_copy_s": round(rec["save_copy_s"], 6), "state_bytes": rec["state_bytes"]}
 
 
 @dataclass
@@ -130,9 +138,10 @@ def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None) ->
 
 
 def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
-           pass_fds: tuple = (), cwd: Optional[str] = None, umask: int = -1):
-    """Popen with PDEATHSIG, its own process group, pipes for captured streams and the
-    user's own umask (``-1``: the agent's)."""
+           pass_fds: tuple = (), cwd: Optional[str] = None, umask: int = -1,
+           cpus: Optional[FrozenSet[int]] = None):
+    """Popen with PDEATHSIG, its own process group, pipes for captured streams, the
+    user's own umask (``-1``: the agent's) and, with ``cpus``, that CPU affinity."""
     std: Dict[str, object] = {}
     reads: Dict[str, Optional[int]] = {}
     for name in ("stdout", "stderr"):
@@ -147,7 +156,8 @@ def _spawn(argv: List[str], env: Dict[str, str], routes: Dict[str, StreamRoute],
     try:
         proc = subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=std["stdout"], stderr=std["stderr"],
-            pass_fds=pass_fds, preexec_fn=_child_setup, process_group=0, close_fds=True,
+            pass_fds=pass_fds, preexec_fn=functools.partial(_child_setup, cpus),
+            process_group=0, close_fds=True,
             umask=umask,
         )
     except BaseException:
@@ -192,6 +202,7 @@ class WorkerLauncher:
         self._spare_slots: Dict[int, str] = {}  # local rank -> slot prefix its spare maps
         self._retired: List[Tuple[List[Worker], List[psutil.Process]]] = []  # dying groups
         self._spare_nice = 10 if os.geteuid() == 0 else 0  # only root can un-nice at "go"
+        self.numa = Binder(cfg.numa_binding)
 
     # -- starting ----------------------------------------------------------------------
     def start(self, local_rank: int, global_rank: int, env: Dict[str, str],
@@ -202,7 +213,7 @@ class WorkerLauncher:
         cfg = self.cfg
         if cfg.no_python:
             proc, reads = _spawn([cfg.script, *script_args(cfg, local_rank)], env, routes,
-                                 umask=self.umask)
+                                 umask=self.umask, cpus=self.numa.cpus(local_rank))
             self.on_spawn(proc.pid)
             return Worker(local_rank, global_rank, proc, False, False,
                           pumps=attach_pumps(reads, routes, log_dir))
@@ -234,7 +245,8 @@ class WorkerLauncher:
             os.write(wfd, go)
         try:
             proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots), env, routes,
-                                 pass_fds=(rfd,), umask=self.umask)
+                                 pass_fds=(rfd,), umask=self.umask,
+                                 cpus=self.numa.cpus(local_rank))
         finally:
             os.close(rfd)
         if go is not None and not early:

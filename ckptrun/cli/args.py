@@ -41,9 +41,13 @@ _OWN_OPTIONS = [
      "(or CKPTRUN_SECRET); never sent through the rendezvous store"),
     ("--snapshot-every", "N|auto", "memory snapshot every N steps, or auto: every step while "
      "it costs <= 3%% of training time (CKPTRUN_SNAPSHOT_OVERHEAD), else every k-th (default: 1)"),
+    ("--metrics-port", "PORT", "serve Prometheus metrics of this machine's agent on PORT "
+     "(0: any free port, written to status.json; default: off)"),
+    ("--metrics-addr", "ADDR", "address the metrics are served on (default: 127.0.0.1)"),
 ]
 _OWN_DEFAULTS = {"persist_every": "10m", "keep": "3", "replicas": "2", "hang_timeout": "auto",
-                 "replication_rate": "0", "replication_budget": "5%"}
+                 "replication_rate": "0", "replication_budget": "5%",
+                 "metrics_addr": "127.0.0.1"}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd])\s*$", re.IGNORECASE)
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _NO_SCRIPT = "no training script given (usage: ckptrun [OPTIONS] SCRIPT [ARGS...])"
@@ -175,7 +179,7 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     min_nodes, max_nodes = _nnodes(trun, ns.nnodes)
     nproc = _nproc(trun, ns.nproc_per_node)
     _check_script(ns)
-    _refuse_unsupported(ns)
+    _refuse_unsupported(ns, nproc)
     if ns.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
 
@@ -221,6 +225,7 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         duplicate_stderr_filters=list(ns.duplicate_stderr_filters or []),
         event_log_handler=_event_log_handler(ns.event_log_handler),
         virtual_local_rank=bool(ns.virtual_local_rank),
+        numa_binding=getattr(ns, "numa_binding", None) or None,
         persist_to=persist_to, persist_every_steps=every_steps,
         persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
         replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
@@ -229,6 +234,7 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         replication_budget=_replication_budget(ns.replication_budget),
         snapshot_every=_snapshot_every(ns.snapshot_every),
         secret=_secret(ns, max_nodes), insecure=bool(ns.insecure),
+        metrics_port=_metrics_port(ns.metrics_port), metrics_addr=ns.metrics_addr,
     )
     if max_nodes == 1 and cfg.replicas and ns.replicas not in (None, _OWN_DEFAULTS["replicas"]):
         _warn(f"--replicas {cfg.replicas}: this job runs on one machine, so there is no other "
@@ -265,7 +271,23 @@ def _warn(text: str) -> None:
     print(f"ckptrun: warning: {text}", file=sys.stderr)
 
 
-def _refuse_unsupported(ns: argparse.Namespace) -> None:
+def _metrics_port(text: Optional[str]) -> Optional[int]:
+    if text is None or str(text).strip().lower() in ("", "off"):
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--metrics-port takes a port 0..65535 (0: any free one), got {text!r}")
+    from ckptrun.agent.metrics import available
+
+    if not available():
+        raise UsageError("--metrics-port needs prometheus_client (pip install prometheus_client)")
+    return port
+
+
+def _refuse_unsupported(ns: argparse.Namespace, nproc: int) -> None:
     """torchrun options that cannot apply to ckptrun's agent: refused, never ignored."""
     if getattr(ns, "logs_specs", None):
         raise UsageError(f"--logs-specs {ns.logs_specs}: ckptrun writes the worker logs itself "
@@ -273,8 +295,12 @@ def _refuse_unsupported(ns: argparse.Namespace) -> None:
                          "--duplicate-*-filters work as in torchrun); a custom LogsSpecs "
                          "class cannot be plugged in")
     if getattr(ns, "numa_binding", None):
-        raise UsageError(f"--numa-binding {ns.numa_binding}: not supported by ckptrun yet; "
-                         "bind the workers yourself (e.g. --no-python with numactl)")
+        from ckptrun.agent import numa
+
+        try:
+            numa.check(ns.numa_binding, nproc)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def _event_log_handler(name: Optional[str]) -> str:

@@ -43,6 +43,9 @@ def main() -> None:
         "torch_preloaded": preloaded, "threads": torch.get_num_threads(),
         "pgrep_finds_me": str(os.getpid()) in found,
         "local_rank": os.environ.get("LOCAL_RANK"),
+        "world_size": os.environ.get("WORLD_SIZE"),
+        "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
+        "group_world_size": os.environ.get("GROUP_WORLD_SIZE"),
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}), flush=True)
 
 

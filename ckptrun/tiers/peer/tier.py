@@ -107,6 +107,7 @@ class ReplicaTier(Tier):
         self.round_s: Optional[float] = None  # duration of the last complete round
         self.lag_steps: Optional[int] = None  # newest local step - replicated, at its end
         self.rounds = 0  # complete rounds (this agent's copies landed on every peer)
+        self.replicated_bytes = 0  # bytes of those rounds pushed to peers
         self._last_event: Dict[int, float] = {}
         self._stop = threading.Event()
         self._busy = threading.Lock()  # a round and a restore never touch slots together
@@ -146,7 +147,7 @@ class ReplicaTier(Tier):
                 "replica_holders": self.holders, "replication_mb_s": self.rate_mb_s,
                 "peers": peers,
                 "replication_round_s": self.round_s, "replication_lag_steps": self.lag_steps,
-                "replication_rounds": self.rounds,
+                "replication_rounds": self.rounds, "replicated_bytes": self.replicated_bytes,
                 "replication_duty": round(self.pacer.duty(), 4),
                 "replication_slowdown": None if slow is None else round(slow, 4),
                 "replication_rate_mb_s": self.rate / 1e6 if self.rate else None}
@@ -283,6 +284,7 @@ class ReplicaTier(Tier):
         self.replicated_step = step
         now = time.monotonic()
         self.rounds += 1
+        self.replicated_bytes += sum(sent.values())
         self.round_s = round(now - t0, 4)
         newest = self._newest_local()
         self.lag_steps = None if newest is None else max(0, newest - step)
