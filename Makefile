@@ -24,7 +24,8 @@ test: $(VENV)/.installed test-services
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its
-# own server on loopback ports).  Best effort: without root or apt the test is skipped.  The
+# own server on loopback ports), and Debian's Slurm for tests/test_slurm.py (the test starts
+# its own slurmctld and slurmds on loopback).  Best effort: without root or apt the test is skipped.  The
 # package's system service is stopped again so that nothing is left listening on 2379.
 test-services:
 	@command -v etcd >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
@@ -32,6 +33,10 @@ test-services:
 	       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq etcd-server >/dev/null 2>&1; }; } \
 	  && { systemctl disable --now etcd >/dev/null 2>&1 || true; }; } \
 	  || echo "note: etcd is not installed; tests/test_etcd_machine_loss.py will be skipped"
+	@command -v slurmctld >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null 2>&1 \
+	  && { systemctl disable --now slurmctld slurmd munge >/dev/null 2>&1 || true; }; } \
+	  || echo "note: Slurm is not installed; tests/test_slurm.py will install it or be skipped"
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

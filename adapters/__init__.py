@@ -7,7 +7,7 @@ line in ``_BUILTIN``).
 
 Two kinds of adapters:
 
-* *state adapters* (``ddp``, ``fsdp``) rewrite entries of a ``Checkpointer`` state dict into
+* *state adapters* (``deepspeed``, ``ddp``, ``fsdp``) rewrite entries of a ``Checkpointer`` state dict into
   objects that snapshot the right thing (a DDP wrapper's inner module; an FSDP2 model and its
   optimizers through ``torch.distributed.checkpoint.state_dict``).  ``Checkpointer`` applies
   them by itself; a state adapter module defines ``adapt(state, cache) -> dict``.
@@ -25,6 +25,8 @@ __all__ = ["register", "get", "names", "adapt_state"]
 
 # name -> (module path, is a state adapter applied by Checkpointer)
 _BUILTIN: Dict[str, tuple] = {
+    # DeepSpeed first: its engine is an nn.Module that the DDP adapter must not take for a model
+    "deepspeed": ("ckptrun.adapters.deepspeed", True),
     "ddp": ("ckptrun.adapters.ddp", True),
     "fsdp": ("ckptrun.adapters.fsdp", True),
     "lightning": ("ckptrun.adapters.lightning", False),

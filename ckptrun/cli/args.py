@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from ckptrun import __version__
+from ckptrun.cli.slurm import FROM_SLURM, SlurmError, current_step
 from ckptrun.cli.usage import FALSE, TRUE, URL_RE, UsageError
 from ckptrun.config import AgentConfig
 
@@ -108,8 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run a multi-machine job without a job secret: anyone who can reach "
                        "the rendezvous store can then read and rewrite its checkpoints")
     parser.add_argument("--version", action="version", version=f"ckptrun {__version__}")
+    step = _slurm_step()
+    if step is not None:  # under srun: the allocation gives the rendezvous (flags still win)
+        parser.set_defaults(**step.defaults())
     _apply_pet_env(parser)
     return parser
+
+
+def _slurm_step():
+    try:
+        return current_step()
+    except SlurmError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _apply_pet_env(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +186,12 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         if "required: training_script" in str(exc):
             raise UsageError(_NO_SCRIPT) from None
         raise
+    slurm_step = _slurm_step()
+    if slurm_step is not None and ns.standalone:
+        # --standalone under srun: a job of this machine alone, whatever the step's size
+        for dest, value in slurm_step.defaults().items():
+            if getattr(ns, dest) == value:
+                setattr(ns, dest, {"nnodes": "1:1", "rdzv_backend": "static"}.get(dest))
     run_id = ns.rdzv_id if ns.rdzv_id and ns.rdzv_id != "none" else new_run_id()
     min_nodes, max_nodes = _nnodes(trun, ns.nnodes)
     nproc = _nproc(trun, ns.nproc_per_node)
@@ -184,6 +201,16 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         raise UsageError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
 
     backend, endpoint, rdzv_id = ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id
+    slurm = slurm_step if endpoint == FROM_SLURM else None
+    if slurm is not None:  # the allocation's rendezvous is used
+        try:
+            endpoint = ns.rdzv_endpoint = slurm.endpoint()
+        except SlurmError as exc:
+            raise UsageError(str(exc)) from None
+    if slurm is not None and slurm.ntasks != slurm.nnodes:
+        raise UsageError(f"this Slurm step runs {slurm.ntasks} tasks on {slurm.nnodes} nodes: "
+                         "ckptrun starts the workers itself, run one per node (srun "
+                         "--ntasks-per-node=1 ckptrun --nproc-per-node N ...)")
     if ns.standalone and (endpoint or backend not in ("static", "c10d")):
         given = ([f"--rdzv-backend {backend}"] if backend not in ("static", "c10d") else []) + \
             ([f"--rdzv-endpoint {endpoint}"] if endpoint else [])
@@ -203,9 +230,13 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     if backend == "c10d" and not endpoint:
         raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (or --standalone)")
 
-    run_dir = os.path.abspath(os.path.expanduser(
-        ns.run_dir or os.path.join("ckptrun-runs", job_id(ns))))
-    persist_to = _absolute_url(ns.persist_to or os.path.join(run_dir, "checkpoints"))
+    default_run_dir = slurm.run_dir() if slurm else os.path.join("ckptrun-runs", job_id(ns))
+    run_dir = os.path.abspath(os.path.expanduser(ns.run_dir or default_run_dir))
+    # under srun every machine has a run dir of its own, and the job's checkpoints one place
+    # they share (the submit directory, as a rule)
+    default_persist = os.path.abspath(slurm.persist_to()) if slurm and not ns.run_dir \
+        else os.path.join(run_dir, "checkpoints")
+    persist_to = _absolute_url(ns.persist_to or default_persist)
     every_steps, every_seconds = parse_persist_every(ns.persist_every)
     cfg = AgentConfig(
         # --run-path runs the script as a Python file whatever -m/--no-python say (torchrun)
@@ -239,9 +270,9 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     if max_nodes == 1 and cfg.replicas and ns.replicas not in (None, _OWN_DEFAULTS["replicas"]):
         _warn(f"--replicas {cfg.replicas}: this job runs on one machine, so there is no other "
               "machine to hold copies (memory and storage only)")
-    elif max_nodes > 1 and cfg.replicas > max_nodes - 1:
+    elif max_nodes > 1 and cfg.replicas > max_nodes:  # --replicas counts the own copy
         _warn(f"--replicas {cfg.replicas}: with at most {max_nodes} machines each snapshot has "
-              f"at most {max_nodes - 1} copies elsewhere")
+              f"at most {max_nodes} copies in memory, its own included")
     from ckptrun.cli.preflight import check_environment
 
     check_environment(cfg)

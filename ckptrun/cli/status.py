@@ -44,6 +44,13 @@ def _last_change(path: str) -> float:
     return max(times)
 
 
+def _subdirs(path: str) -> List[str]:
+    try:
+        return [p for p in (os.path.join(path, d) for d in os.listdir(path)) if os.path.isdir(p)]
+    except OSError:
+        return []
+
+
 def find_run_dir(run_dir: Optional[str] = None, base: str = RUNS_DIR) -> str:
     """``run_dir`` if it holds a run, else the most recently updated run under ``base``."""
     if run_dir:
@@ -52,11 +59,10 @@ def find_run_dir(run_dir: Optional[str] = None, base: str = RUNS_DIR) -> str:
         if not _is_run_dir(run_dir):
             raise NoRunError(f"{run_dir} holds no ckptrun run (no {STATUS_FILE} or {EVENTS_FILE})")
         return os.path.abspath(run_dir)
-    try:
-        candidates = [os.path.join(base, d) for d in os.listdir(base)]
-    except OSError:
-        candidates = []
-    runs = [d for d in candidates if os.path.isdir(d) and _is_run_dir(d)]
+    runs = [d for d in _subdirs(base) if _is_run_dir(d)]
+    # a job under srun has a run dir per machine: <base>/slurm-<job id>/node-<k>
+    runs += [n for d in _subdirs(base) if not _is_run_dir(d) for n in _subdirs(d)
+             if os.path.basename(n).startswith("node-") and _is_run_dir(n)]
     if not runs:
         raise NoRunError(f"no ckptrun run found under ./{base} (use --run-dir DIR)")
     return os.path.abspath(max(runs, key=_last_change))
