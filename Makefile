@@ -21,7 +21,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed test-services
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@# two at a time, then the tests that time things alone (the `serial` mark, tests/conftest.py);
+	@# both parts always run; exit code 5 is "this part selected no test" (a PYTEST_ARGS subset)
+	@status=0; \
+	$(PY) -m pytest -n 2 -m "not serial" $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	$(PY) -m pytest -m serial $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	exit $$status
 
 # A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its
 # own server on loopback ports), and Debian's Slurm for tests/test_slurm.py (the test starts

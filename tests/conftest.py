@@ -50,6 +50,25 @@ def ckptrun_run():
     return run
 
 
+# Modules whose tests time things or wait for timeouts that a second test running beside them
+# would stretch (hang and machine-loss detection, replication pacing, the fault soak, the
+# benchmarks, the Slurm cluster): `make test` runs them alone after the rest, which runs two
+# at a time (pytest-xdist).  Plain `pytest` runs everything one at a time, as before.
+SERIAL_MODULES = {
+    "test_machine_loss", "test_multinode_replication", "test_etcd_machine_loss",
+    "test_hang_progress", "test_agent_hang", "test_check_soak", "test_agent_multinode",
+    "test_pacing", "test_snapshot_interval", "test_slurm", "test_sec_store",
+    "test_benchmarks_machines", "test_benchmarks_quick", "test_benchmarks_recovery",
+    "test_storage_bench", "test_beat_windows",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.stem in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture(autouse=True)
 def _cold_restarts_unless_marked(request, monkeypatch):
     """Tests restart workers cold (``CKPTRUN_WARM_SPARES=0``) unless marked ``spares``.
