@@ -131,3 +131,15 @@ def test_the_random_phase_does_not_lengthen_pauses():
     assert sum(pauses) / len(pauses) == pytest.approx(0.25, rel=0.05)
     assert min(pauses) < 0.13 and max(pauses) > 0.37  # a spread of one interval
     assert max(pauses) - min(pauses) <= 0.25
+
+
+def test_a_pause_stays_bounded_when_the_workers_have_stopped():
+    """Beats stop when the workers do (a failure, the end): the beat interval then grows
+    without bound, and a pause that followed it overflowed ``Event.wait`` (a traceback on
+    the user's console at a Slurm requeue)."""
+    p = Pacer(0.05, rng=random.Random(3))
+    p._idle = (1.0, 1e12)  # one beat in a very long silence
+    assert p.beat_interval() == 1e12
+    for _ in range(20):
+        assert 0.0 <= p.pause(0.5) <= Pacer.MAX_PAUSE_S
+    assert 0.0 <= Pacer(0.0).pause(0.5) <= Pacer.MAX_PAUSE_S  # a zero budget: no division

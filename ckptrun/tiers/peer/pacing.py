@@ -65,6 +65,9 @@ class Pacer:
     bigger model after a restart) is followed."""
 
     MAX_DUTY = 0.95  # always some time without a round: the baseline must stay measured
+    # the longest pause between rounds: once the workers stop (a failure, the job's end) the
+    # beat interval grows without bound, and an unbounded pause overflowed Event.wait
+    MAX_PAUSE_S = 10.0
     INITIAL_DUTY = 0.5  # until the cost is measured
     # aim below the budget: the estimate is noisy, and what the agents spend outside the
     # rounds (agreeing on the next one, this loop) is not in it
@@ -130,5 +133,8 @@ class Pacer:
         """Seconds to wait after a round of ``round_s`` seconds (0 when unpaced)."""
         if self.budget is None:
             return 0.0
-        f, half = self.duty(), 0.5 * (self.beat_interval() or 0.0)
-        return max(0.0, max(0.0, round_s) * (1.0 / f - 1.0) + self._rng.uniform(-half, half))
+        f, half = self.duty(), 0.5 * min(self.beat_interval() or 0.0, self.MAX_PAUSE_S)
+        if not f > 0.0:
+            return self.MAX_PAUSE_S
+        pause = max(0.0, round_s) * (1.0 / f - 1.0) + self._rng.uniform(-half, half)
+        return min(self.MAX_PAUSE_S, max(0.0, pause))
