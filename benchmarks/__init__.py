@@ -21,8 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 # Imported in this order by ``python -m benchmarks``; later sections may use earlier rows.
 SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.replication",
                    "benchmarks.recovery", "benchmarks.machine_loss", "benchmarks.quoted",
-                   "benchmarks.overhead", "benchmarks.replication_overhead", "benchmarks.ddp_exact",
-                   "benchmarks.goodput"]
+                   "benchmarks.overhead", "benchmarks.steady_state",
+                   "benchmarks.replication_overhead", "benchmarks.ddp_exact", "benchmarks.goodput"]
 
 Row = Dict[str, object]
 Column = Tuple[str, str, str]  # (row key, header, format: "s", "ms", "gbps", "ratio", "pct", "int", "str", "bytes")

@@ -65,6 +65,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--machine-loss-cases", help="machine_loss: STATE_MiB@STEP_S[@BUDGET] list "
                     "(default 64@0.15 quick; 64@0.15,256@0.5,64@0,64@0@off full)")
     ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
+    ap.add_argument("--steady-sizes", help="steady_state: comma list of 64M,256M,1G (quick: 64M)")
+    ap.add_argument("--steady-steps", type=int, help="steady_state: steps per run (12 quick, 24)")
     ap.add_argument("--plots", metavar="DIR", nargs="?", const="docs",
                     help="write PNG plots (needs matplotlib) into DIR (default docs)")
     ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",
@@ -126,6 +128,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
                            "launch_reps": args.launch_reps, "fail_after_s": args.fail_after_s,
                            "hang_observe_s": args.hang_observe_s,
                            "overhead_steps": args.overhead_steps,
+                           "steady_sizes": args.steady_sizes, "steady_steps": args.steady_steps,
                            "machine_loss_cases": args.machine_loss_cases})
     started = time.monotonic()
     results: dict = {"meta": {

@@ -60,7 +60,7 @@ CASES: Dict[str, dict] = {
 }
 
 
-def block_slowdowns(out: Outcome) -> List[float]:
+def block_slowdowns(out: Outcome, skip: int = SKIP) -> List[float]:
     """1 - rate(on block) / rate(preceding off block), for each pair of blocks of rank 0.
 
     Adjacent blocks share whatever load the machine had at that moment, so their ratio
@@ -68,7 +68,7 @@ def block_slowdowns(out: Outcome) -> List[float]:
     """
     recs = [r for r in out.logs.get((0, 0), []) if r["event"] == "step" and "saving" in r]
     blocks: List[tuple] = []  # (saving, first time, last time, steps)
-    for r in recs[SKIP:]:
+    for r in recs[skip:]:
         if blocks and blocks[-1][0] == r["saving"]:
             b = blocks[-1]
             blocks[-1] = (b[0], b[1], r["time"], b[3] + 1)

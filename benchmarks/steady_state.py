@@ -1,0 +1,145 @@
+"""Steady-state and fixed cost at realistic state sizes: ckptrun with a snapshot every step
+next to torchrun with no checkpointing, in the same run.
+
+``benchmarks/jobs/recovery_job.py`` (2 ranks, DDP over gloo, one OpenMP thread a rank) with
+its MLP sized so that the model and AdamW's two moments are 64 MiB, 256 MiB or 1 GiB per
+rank -- real training state, not padding -- in three cases, interleaved round by round:
+
+* ``torchrun, no checkpointing`` -- the baseline;
+* ``ckptrun, save() every step`` -- the default: a memory snapshot after every step;
+* ``ckptrun, save() on/off in blocks`` -- one run alternating blocks of steps with and
+  without ``save()``; adjacent blocks see the same machine load, the steadiest ratio.
+
+Per-step cost is a slope, not a whole job's time: the median interval between rank 0's
+completed steps after a warm-up, so start-up, the first steps' page faults and shutdown do
+not count.  The fixed cost is the rest: the launch's wall time less steps × that step time
+(start-up, rendezvous, the final persist, shutdown).  Where a step's time goes comes from
+the job's own log: ``optimizer.step()`` (it waits for the previous snapshot's background
+copy before it changes the weights) and ``save()`` (what it blocks the loop).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import tempfile
+from typing import Dict, List
+
+from benchmarks import Context, Row, section
+from benchmarks.jobrun import Launch, Outcome, interleaved_rounds, launch
+from benchmarks.overhead import block_slowdowns
+
+SIZES = {"64M": 64 << 20, "256M": 256 << 20, "1G": 1 << 30}
+LAYERS = 4
+SKIP = 4  # warm-up steps (first-touch page faults of the slots, DDP's bucket rebuild)
+ALTERNATE = 4
+GOAL = 1.05  # issue: <= 1.05x torchrun's step with a snapshot every step
+
+COLUMNS = [("size", "state/rank", "str"), ("case", "case", "str"),
+           ("step_s", "step s (slope)", "float"), ("ratio", "vs torchrun", "ratio"),
+           ("met", "≤ 1.05x", "str"), ("fixed_s", "fixed cost s", "float"),
+           ("opt_ms", "optimizer.step() ms", "float"), ("save_ms", "save() ms", "float"),
+           ("reps", "reps", "int"), ("note", "note", "str")]
+
+
+def hidden_for(nbytes: int, layers: int = LAYERS) -> int:
+    """The MLP width whose parameters and AdamW's two moments take ``nbytes`` (float32):
+    12 bytes a parameter, ``layers`` square layers of the width dominating."""
+    return max(64, int(math.sqrt(nbytes / 12 / layers)))
+
+
+def _step_s(out: Outcome) -> float:
+    """Median interval between rank 0's completed steps after the warm-up."""
+    recs = [r for r in out.logs.get((0, 0), []) if r["event"] == "step"][SKIP:]
+    gaps = [b["time"] - a["time"] for a, b in zip(recs, recs[1:])]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def _median_ms(out: Outcome, key: str) -> float:
+    recs = [float(r[key]) for r in out.logs.get((0, 0), [])[SKIP:]
+            if r["event"] == "step" and key in r]
+    return statistics.median(recs) * 1e3 if recs else float("nan")
+
+
+CASES: Dict[str, dict] = {
+    "torchrun, no checkpointing": dict(launcher="torchrun", ckpt="none", job=[]),
+    "ckptrun, save() every step": dict(launcher="ckptrun", ckpt="ckptrun", job=[]),
+    "ckptrun, save() on/off in blocks": dict(launcher="ckptrun", ckpt="ckptrun",
+                                             job=["--alternate", str(ALTERNATE)]),
+}
+
+
+def one_run(case: dict, hidden: int, steps: int, root: str) -> dict:
+    work = tempfile.mkdtemp(prefix="steady-", dir=root)
+    try:
+        spec = Launch(case["launcher"],
+                      ["--ckpt", case["ckpt"], "--steps", str(steps), "--hidden", str(hidden),
+                       "--layers", str(LAYERS), "--batch", "64", "--state-mb", "0",
+                       *case["job"]],
+                      env={"CKPTRUN_WARM_SPARES": "0", "OMP_NUM_THREADS": "1"},
+                      max_restarts=0)
+        out = launch(spec, work, timeout_s=1800.0)
+        if out.rc != 0:
+            return {"error": f"rc={out.rc} timed_out={out.timed_out}: {out.tail[-300:]}"}
+        step = _step_s(out)
+        return {"step_s": step, "wall_s": out.wall_s, "fixed_s": out.wall_s - steps * step,
+                "pairs": block_slowdowns(out, skip=SKIP) if case["job"] else [],
+                "opt_ms": _median_ms(out, "opt_s"), "save_ms": _median_ms(out, "save_s")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@section("steady_state", "Steady-state and fixed cost at realistic state sizes "
+         "(2 ranks, a snapshot every step, vs torchrun)", COLUMNS,
+         note="step = the slope (median interval between completed steps after the warm-up); "
+              "fixed cost = wall time − steps × step; model + AdamW state, no padding")
+def steady_state(ctx: Context) -> List[Row]:
+    names = str(ctx.options.get("steady_sizes") or ("64M" if ctx.quick else ",".join(SIZES)))
+    names = [n.strip() for n in names.split(",") if n.strip() in SIZES]
+    steps = int(ctx.options.get("steady_steps") or (12 if ctx.quick else 24))
+    reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else 2))
+    rows: List[Row] = []
+    root = tempfile.mkdtemp(prefix="ckptrun-bench-steady-", dir=ctx.tmpdir)
+    try:
+        for size in names:
+            hidden = hidden_for(SIZES[size])
+            samples = interleaved_rounds(list(CASES), reps, ctx.time_budget_s,
+                                         lambda _r, n, h=hidden: one_run(CASES[n], h, steps, root))
+            rows += _rows(size, hidden, steps, samples)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def _rows(size: str, hidden: int, steps: int, samples: Dict[str, List[dict]]) -> List[Row]:
+    out: List[Row] = []
+    base = None
+    for name, got in samples.items():
+        good = [s for s in got if "error" not in s]
+        row: Row = {"size": size, "case": name, "reps": len(good)}
+        notes = [f"width {hidden}, {steps} steps"]
+        bad = [s["error"] for s in got if "error" in s]
+        if bad:
+            notes.append(f"{len(bad)} run(s) failed: {str(bad[0])[:200]}")
+        if good:
+            step = statistics.median(s["step_s"] for s in good)
+            row.update(step_s=step, fixed_s=statistics.median(s["fixed_s"] for s in good),
+                       opt_ms=statistics.median(s["opt_ms"] for s in good),
+                       save_ms=statistics.median(s["save_ms"] for s in good))
+            if base is None:
+                base = step
+                row["ratio"] = 1.0
+            pairs = [x for s in good for x in s["pairs"]]
+            if pairs:
+                slow = statistics.median(pairs)
+                row["ratio"] = 1.0 / (1.0 - slow) if slow < 1 else float("inf")
+                notes.append(f"ratio from {len(pairs)} adjacent off/on blocks of {ALTERNATE} "
+                             f"steps (slowdown {min(pairs) * 100:.1f}–{max(pairs) * 100:.1f}%)")
+            elif base:
+                row["ratio"] = step / base
+            if name != "torchrun, no checkpointing" and "ratio" in row:
+                row["met"] = "yes" if float(row["ratio"]) <= GOAL else "no"
+        row["note"] = "; ".join(notes)
+        out.append(row)
+    return out
