@@ -3,7 +3,8 @@
     Trainer(..., callbacks=[ckptrun.adapters.transformers.CkptrunCallback()])
 
 Captured at every ``every_n_steps``-th optimizer step (``on_step_end``): the model (unwrapped:
-the same keys with or without DDP), the optimizer (accelerate's wrapper unwrapped), the LR
+the same keys with or without DDP; under a DeepSpeed config the engine instead, whose ZeRO
+state ``ckptrun.adapters.deepspeed`` captures), the optimizer (accelerate's wrapper unwrapped), the LR
 scheduler, ``TrainerState`` (global step, epoch, log history, callback states, ...), the RNG
 states of python/numpy/torch/CUDA, and the data position (batches consumed).
 
@@ -47,6 +48,22 @@ class _TrainerStateDict:
             setattr(self.state, k, v)
 
 
+def _deepspeed_engine(model: Any) -> Any:
+    """The ``DeepSpeedEngine`` that trains ``model`` (a Trainer run with a DeepSpeed
+    config), or None.  The callback gets the model, not the engine: the engine is found
+    among the live objects, once, at the start of training."""
+    if "deepspeed" not in sys.modules or model is None:
+        return None
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeepSpeedEngine) and getattr(obj, "module", None) is model:
+            return obj
+    return None
+
+
 class CkptrunCallback(TrainerCallback):
     """Snapshot the training state every ``every_n_steps`` optimizer steps; restore it at
     train start.  ``persist_to``/``persist_every`` are passed to ``ckptrun.Checkpointer``
@@ -68,8 +85,12 @@ class CkptrunCallback(TrainerCallback):
                        optimizer: Any = None, lr_scheduler: Any = None,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-        tree: Dict[str, Any] = {"model": model, "optim": opt, "trainer_state": _TrainerStateDict(state),
-                                "rng": self._rng}
+        engine = _deepspeed_engine(model)
+        # under a DeepSpeed config the Trainer's model is the engine's module and its optimizer
+        # the engine's ZeRO optimizer: the engine holds their state (ckptrun.adapters.deepspeed)
+        tree: Dict[str, Any] = ({"engine": engine} if engine is not None
+                                else {"model": model, "optim": opt})
+        tree.update(trainer_state=_TrainerStateDict(state), rng=self._rng)
         if lr_scheduler is not None:
             tree["sched"] = lr_scheduler
         self.ckpt = ckptrun.Checkpointer(tree, capture_rng=False, persist_to=self.persist_to,

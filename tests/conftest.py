@@ -57,6 +57,7 @@ def ckptrun_run():
 SERIAL_MODULES = {
     "test_machine_loss", "test_multinode_replication", "test_etcd_machine_loss",
     "test_hang_progress", "test_agent_hang", "test_check_soak", "test_agent_multinode",
+    "test_e2e_recovery",
     "test_pacing", "test_snapshot_interval", "test_slurm", "test_sec_store",
     "test_benchmarks_machines", "test_benchmarks_quick", "test_benchmarks_recovery",
     "test_storage_bench", "test_beat_windows",

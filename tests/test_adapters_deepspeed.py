@@ -15,14 +15,16 @@ import torch
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "scripts", "deepspeed_no_shm_op.py")
+NO_SHM_OP = os.path.join(ROOT, "tests", "scripts", "deepspeed_no_shm_op.py")
+EXAMPLE = os.path.join(ROOT, "examples", "deepspeed_train.py")
 
 
 def _run(tmp_path, name: str, stage: int, *extra: str):
     run_dir, out = tmp_path / name, tmp_path / f"{name}.pt"
     proc = subprocess.run(
         [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
-         "--run-dir", str(run_dir), JOB, "--zero-stage", str(stage), "--steps", "12",
+         "--run-dir", str(run_dir), NO_SHM_OP, EXAMPLE, "--zero-stage", str(stage),
+         "--steps", "12",
          "--out", str(out), *extra],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -53,3 +55,31 @@ def test_a_snapshot_of_another_stage_or_world_size_is_refused():
     with pytest.raises(ValueError, match="taken with ZeRO stage 3 on 1 ranks; this engine "
                                          "runs stage 2 on 1"):
         EngineState(Engine()).load_state_dict({"zero_stage": 3, "world_size": 1})
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_a_deepspeed_config_resumes_bitwise(tmp_path):
+    """examples/hf_train.py with ``--deepspeed-stage 2``: the callback finds the Trainer's
+    DeepSpeed engine and snapshots it; rank 1 SIGKILLed at step 9 of 24 is restored from
+    memory and the run ends bitwise equal to the failure-free one."""
+    pytest.importorskip("transformers")
+    hf = os.path.join(ROOT, "examples", "hf_train.py")
+    runs = {}
+    for name, extra in (("reference", []), ("failed", ["--crash-at", "9"])):
+        run_dir, out = tmp_path / name, tmp_path / f"{name}.pt"
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+             "--run-dir", str(run_dir), NO_SHM_OP, hf, "--deepspeed-stage", "2",
+             "--run-dir", str(tmp_path / f"hf-{name}"), "--out", str(out), *extra],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        with open(run_dir / "events.jsonl") as f:
+            runs[name] = ([json.loads(line) for line in f if line.strip()],
+                          torch.load(str(out), weights_only=True))
+    evts, got = runs["failed"]
+    restored = [e for e in evts if e["event"] == "restored"]
+    assert restored and restored[-1]["tier"] == "memory" and restored[-1]["step"] >= 7, evts
+    want = runs["reference"][1]
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs"

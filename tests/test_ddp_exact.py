@@ -56,34 +56,21 @@ def _job(tmp_path, name: str, nproc: int, *args: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [4])  # 3 ranks end to end: tests/test_machine_loss.py
-def test_plain_ddp_resumes_bitwise_after_a_sigkill(tmp_path, nproc):
-    """examples/train.py (plain DDP, the model registered without its wrapper) with rank 1
-    killed after step 12 and restored from memory ends with the failure-free run's weights."""
-    want, _ = _job(tmp_path, "reference", nproc)
-    got, evts = _job(tmp_path, "failed", nproc, "--crash-at", "12")
-    restored = [e for e in evts if e["event"] == "restored"]
-    # rank 1 dies right after its save(12); the others are at most a step behind it
-    assert restored and restored[0]["step"] in (11, 12), evts
-    assert restored[0]["tier"] == "memory", evts
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), f"{k} differs after the restore"
-
-
-@pytest.mark.slow
-def test_a_restore_from_the_first_two_steps_is_exact_too(tmp_path):
-    """Snapshots of steps 1 and 2 are taken before DDP's own regrouping shows (or happens):
-    the adapter regroups at that save, so a process restored from them reduces like the
-    run it replaces.  3 ranks (a float sum over 2 does not depend on the order)."""
-    want, _ = _job(tmp_path, "reference", 3, "--steps", "6")
-    seen = set()
-    for crash_at in ("1", "2"):
-        got, evts = _job(tmp_path, f"crash{crash_at}", 3, "--steps", "6", "--crash-at", crash_at)
-        restored = [e["step"] for e in evts if e["event"] == "restored"]
-        # the others are at most a step behind the killed rank (none restored: step 0)
-        assert set(restored) <= {int(crash_at) - 1, int(crash_at)}, evts
-        seen.update(restored)
+def test_plain_ddp_resumes_bitwise_after_a_sigkill_late_and_in_the_first_steps(tmp_path):
+    """examples/train.py (plain DDP, the model registered without its wrapper) at 4 ranks,
+    rank 1 killed after step 12 and restored from memory, ends with the failure-free run's
+    weights; so does a kill after step 2.  Snapshots of steps 1 and 2 are taken before
+    DDP's own regrouping shows (or happens): the adapter regroups at that save, so a
+    process restored from them reduces like the run it replaces.  (3 ranks end to end:
+    tests/test_machine_loss.py; a float sum over 2 ranks does not depend on the order.)"""
+    want, _ = _job(tmp_path, "reference", 4, "--steps", "16")
+    for crash_at, allowed in (("12", {11, 12}), ("2", {1, 2})):
+        got, evts = _job(tmp_path, f"crash{crash_at}", 4, "--steps", "16", "--crash-at",
+                         crash_at)
+        restored = [e for e in evts if e["event"] == "restored"]
+        # rank 1 dies right after its save; the others are at most a step behind it
+        assert restored and restored[0]["step"] in allowed, evts
+        assert restored[0]["tier"] == "memory", evts
+        assert want.keys() == got.keys()
         for k in want:
-            assert torch.equal(want[k], got[k]), f"{k} differs after a restore at {restored}"
-    assert seen & {1, 2}, seen  # a restore from step 1 or 2 did happen
+            assert torch.equal(want[k], got[k]), f"{k} differs after a restore at {crash_at}"
