@@ -63,25 +63,29 @@ def test_events_and_status_become_metrics():
                              "replication_rounds": 9, "replicated_bytes": 36864,
                              "replication_lag_steps": 1}})
     got = samples(scrape_text(m))
-    assert value(got, "ckptrun_restarts_total", cause="worker_signal") == 1
-    assert value(got, "ckptrun_restarts_total", cause="hang") == 1
-    assert value(got, "ckptrun_restarts_total", cause="remote_failure") == 1
-    assert value(got, "ckptrun_restarts_total", cause="worker_exit") == 0
-    assert value(got, "ckptrun_worker_failures_total", reason="signal") == 1
-    assert value(got, "ckptrun_restore_seconds_count", tier="memory") == 1
-    assert value(got, "ckptrun_restore_seconds_sum", tier="memory") == pytest.approx(0.02)
-    assert value(got, "ckptrun_recovery_downtime_seconds_count") == 1
-    assert value(got, "ckptrun_recovery_downtime_seconds_bucket", le="2.0") == 0
-    assert value(got, "ckptrun_recovery_downtime_seconds_bucket", le="5.0") == 1
-    assert value(got, "ckptrun_last_recovery_phase_seconds", phase="first_step") == 2.15
-    assert value(got, "ckptrun_step", rank="0") == 21
-    assert value(got, "ckptrun_snapshots_total", rank="0") == 14
-    assert value(got, "ckptrun_snapshot_bytes", rank="0") == 4096
-    assert value(got, "ckptrun_checkpoint_step", tier="peer") == 20
-    assert value(got, "ckptrun_persisted_bytes_total") == 1000
-    assert value(got, "ckptrun_persist_failures_total") == 1
-    assert value(got, "ckptrun_replicated_bytes_total") == 36864
-    assert value(got, "ckptrun_replication_lag_steps") == 1
+    want = [  # (sample, labels, value)
+        ("ckptrun_restarts_total", {"cause": "worker_signal"}, 1),
+        ("ckptrun_restarts_total", {"cause": "hang"}, 1),
+        ("ckptrun_restarts_total", {"cause": "remote_failure"}, 1),
+        ("ckptrun_restarts_total", {"cause": "worker_exit"}, 0),
+        ("ckptrun_worker_failures_total", {"reason": "signal"}, 1),
+        ("ckptrun_restore_seconds_count", {"tier": "memory"}, 1),
+        ("ckptrun_restore_seconds_sum", {"tier": "memory"}, pytest.approx(0.02)),
+        ("ckptrun_recovery_downtime_seconds_count", {}, 1),
+        ("ckptrun_recovery_downtime_seconds_bucket", {"le": "2.0"}, 0),
+        ("ckptrun_recovery_downtime_seconds_bucket", {"le": "5.0"}, 1),
+        ("ckptrun_last_recovery_phase_seconds", {"phase": "first_step"}, 2.15),
+        ("ckptrun_step", {"rank": "0"}, 21),
+        ("ckptrun_snapshots_total", {"rank": "0"}, 14),
+        ("ckptrun_snapshot_bytes", {"rank": "0"}, 4096),
+        ("ckptrun_checkpoint_step", {"tier": "peer"}, 20),
+        ("ckptrun_persisted_bytes_total", {}, 1000),
+        ("ckptrun_persist_failures_total", {}, 1),
+        ("ckptrun_replicated_bytes_total", {}, 36864),
+        ("ckptrun_replication_lag_steps", {}, 1),
+    ]
+    for name, labels, expected in want:
+        assert value(got, name, **labels) == expected, (name, labels)
     eff = value(got, "ckptrun_effective_training_seconds")
     assert value(got, "ckptrun_elapsed_seconds") - eff == pytest.approx(3.5, abs=0.01)
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from machines import status as _status
 from slurm_cluster import start_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,11 +115,3 @@ def test_srun_ckptrun_needs_no_rendezvous_flags_and_survives_a_requeue(cluster, 
     st = json.loads(status.stdout)
     assert st["run_id"] == f"slurm-{job}" and st["state"] == "succeeded", st
     assert st["nnodes"] == 2 and st["checkpoint"]["persisted_step"] == STEPS, st
-
-
-def _status(run_dir: str) -> dict:
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
