@@ -20,7 +20,8 @@ objects (the loss scaler, parameter mappings) that no snapshot may pickle, and i
 ``load_state_dict`` takes every rank's state at once.
 
 Limits (checked, or said where they cannot be): the same world size and ZeRO configuration
-as the run that took the snapshot; no optimizer offload to NVMe; the durable copy is DCP of
+as the run that took the snapshot; no optimizer offload to NVMe; no 16-bit training without
+ZeRO (stage 0's FP16/BF16 optimizer wrappers are refused at the first save); the durable copy is DCP of
 these per-rank buffers (``torch.distributed.checkpoint`` reads it without ckptrun, but it
 is not a model state dict: use DeepSpeed's ``zero_to_fp32`` on a DeepSpeed checkpoint for
 that).  Registering the engine's optimizer or scheduler beside the engine is allowed; the
@@ -112,8 +113,9 @@ class EngineState:
             if isinstance(opt, torch.optim.Optimizer):
                 sd["optimizer"] = opt.state_dict()
             elif opt is not None:
-                raise TypeError(f"ckptrun cannot snapshot a DeepSpeed {type(opt).__name__} "
-                                "optimizer without ZeRO (fp16 wrapper); use bf16/fp32 or ZeRO")
+                raise TypeError(f"ckptrun cannot snapshot DeepSpeed's {type(opt).__name__} "
+                                "(ZeRO stage 0 with a 16-bit optimizer wrapper); use ZeRO "
+                                "stage 1-3, or fp32 without ZeRO")
             return sd
         inner = opt.optimizer
         sd["fp32"] = list(fp32)
