@@ -99,9 +99,13 @@ def test_worker_failure_restores_from_memory_bitwise(tmp_path, reference, failur
     # the agent tells the person watching the job what failed and how it recovered
     said = [line for line in proc.stderr.splitlines() if line.startswith("ckptrun: ")]
     # (in a hang rank 0 waits in the collective: only the stopped rank 1 is named)
-    want = {"sigkill": "was killed by SIGKILL", "exception": "exited with code 1",
-            "hang": "stopped (no sign of life): no rank advanced for"}[failure]
-    assert any(line.startswith("ckptrun: rank 1 ") and want in line for line in said), said
+    # (an exception exits 1 -- or SIGABRT, when gloo's teardown aborts while the peer is
+    # still in its collective, as it does under torchrun too)
+    want = {"sigkill": ["was killed by SIGKILL"],
+            "exception": ["exited with code 1", "was killed by SIGABRT"],
+            "hang": ["stopped (no sign of life): no rank advanced for"]}[failure]
+    assert any(line.startswith("ckptrun: rank 1 ") and any(w in line for w in want)
+               for line in said), said
     if failure == "hang":
         assert not any(line.startswith("ckptrun: rank 0 ") for line in said), said
     assert "ckptrun: restarting the workers: attempt 1, 1 restart(s) of the budget used" in said
@@ -111,7 +115,13 @@ def test_worker_failure_restores_from_memory_bitwise(tmp_path, reference, failur
     ph = rec[0]["phases"]
     assert set(ph) == {"detect_s", "stop_s", "start_s", "restore_s", "first_step_s"}, ph
     assert abs(sum(ph.values()) - rec[0]["downtime_s"]) < 0.01, rec
-    assert (failure == "hang") == (ph["detect_s"] >= 3.0), ph  # the hang timeout is 3 s
+    if failure == "hang":
+        assert ph["detect_s"] >= 3.0, ph  # the hang timeout is 3 s
+    else:
+        # a crash is seen once the process is gone: at once after a SIGKILL; after the
+        # interpreter's teardown for an exception, which took 3.9 s once (the gloo group's
+        # destructor waits for the peer still in its collective)
+        assert ph["detect_s"] < (3.0 if failure == "sigkill" else 10.0), ph
     assert any(line.startswith("ckptrun: recovered in ") and ", script " in line
                for line in said), said
     st = load_status(run_dir)
