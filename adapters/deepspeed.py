@@ -97,10 +97,9 @@ class EngineState:
     def state_dict(self) -> Dict[str, Any]:
         e = self.engine
         opt = getattr(e, "optimizer", None)
+        stage, world = _layout(e)
         sd: Dict[str, Any] = {
-            "zero_stage": int(e.zero_optimization_stage()),
-            "world_size": int(torch.distributed.get_world_size())
-            if torch.distributed.is_initialized() else 1,
+            "zero_stage": stage, "world_size": world,
             "counters": {c: int(getattr(e, c, 0) or 0) for c in _COUNTERS},
             "buffers": dict(e.module.named_buffers()),
         }
@@ -136,8 +135,7 @@ class EngineState:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         e = self.engine
         opt = getattr(e, "optimizer", None)
-        stage = int(e.zero_optimization_stage())
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        stage, world = _layout(e)
         if int(sd.get("zero_stage", -1)) != stage or int(sd.get("world_size", -1)) != world:
             raise ValueError(f"this DeepSpeed snapshot was taken with ZeRO stage "
                              f"{sd.get('zero_stage')} on {sd.get('world_size')} ranks; this "
@@ -180,6 +178,12 @@ class EngineState:
             setattr(scaler, k, v)
         for k, v in (sd.get("zero") or {}).items():
             setattr(opt, k, v)
+
+
+def _layout(engine: Any) -> tuple:
+    """(ZeRO stage, world size): what a snapshot must have been taken with to fit."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return int(engine.zero_optimization_stage()), int(world)
 
 
 def _flats(opt: Any, names: tuple) -> Optional[List[torch.Tensor]]:

@@ -119,8 +119,8 @@ class AgentMetrics:
         info.add_metric([str(st.get("run_id", "")), str(st.get("node", "")),
                          str(st.get("state", "starting"))], 1)
         yield info
-        yield _gauge(GaugeMetricFamily, "ckptrun_attempt",
-                     "The attempt the job is in (0: never restarted).", st.get("attempt", 0))
+        yield GaugeMetricFamily("ckptrun_attempt", "The attempt the job is in (0: never "
+                                "restarted).", value=_num(st.get("attempt", 0)))
 
         c = CounterMetricFamily("ckptrun_worker_failures", "Workers of this machine that "
                                 "failed, by reason (exit, signal, hang).", labels=["reason"])
@@ -210,20 +210,16 @@ class AgentMetrics:
         if started is not None:
             elapsed = max(0.0, time.time() - started)
             down = sum(downtimes)
-            yield _gauge(GaugeMetricFamily, "ckptrun_elapsed_seconds",
-                         "Wall time since the job started on this machine.", elapsed)
-            yield _gauge(GaugeMetricFamily, "ckptrun_effective_training_seconds",
-                         "Wall time since the start less the downtime of its recoveries.",
-                         max(0.0, elapsed - down))
+            yield GaugeMetricFamily("ckptrun_elapsed_seconds", "Wall time since the job "
+                                    "started on this machine.", value=elapsed)
+            yield GaugeMetricFamily("ckptrun_effective_training_seconds", "Wall time since "
+                                    "the start less the downtime of its recoveries.",
+                                    value=max(0.0, elapsed - down))
 
 
 def _num(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
         else 0.0
-
-
-def _gauge(kind: Any, name: str, text: str, value: Any) -> Any:
-    return kind(name, text, value=_num(value))
 
 
 def _buckets(values: List[float]) -> List[Tuple[str, int]]:
