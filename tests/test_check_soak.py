@@ -11,9 +11,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ckptrun.cli.soak import schedule
-from ckptrun.protocol.check import KINDS, claim, injected
+from ckptrun.protocol.check import KINDS, Fault, claim, injected, write_schedule
+from ckptrun.worker.check_probe import CheckProbe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -41,6 +43,25 @@ def test_a_fault_is_claimed_once(tmp_path):
     assert claim(str(tmp_path), 3, 12) is True
     assert claim(str(tmp_path), 3, 13) is False  # a restarted worker does not inject it again
     assert injected(str(tmp_path)) == {3: 12}
+
+
+@pytest.mark.parametrize("kind", ["stop", "term"])
+def test_a_rank_that_goes_on_after_its_fault_keeps_logging(tmp_path, monkeypatch, kind):
+    """A stopped rank that a stack dump resumed (or one waiting for the forwarded SIGTERM)
+    moves on with its peers until the agent stops them; the next attempt may restore what it
+    saved then -- at step K nothing is saved again -- so those saves must be in its log."""
+    log, faults = tmp_path / "log", tmp_path / "faults"
+    log.mkdir()
+    write_schedule(str(faults), [Fault(0, 2, 0, kind)])
+    sent = []
+    monkeypatch.setattr("ckptrun.worker.check_probe.os.kill", lambda pid, sig: sent.append(sig))
+    probe = CheckProbe(str(log), 0, str(faults), None)
+    meta = {"tensors": [{"path": "model.w"}], "tree": {"d": [["model", {"t": 0}]]}}
+    for step in (1, 2, 3, 4):
+        probe.committed(step, meta, [torch.full((4,), float(step))])
+    assert len(sent) == 1 and injected(str(faults)) == {0: 2}
+    lines = (log / "rank0.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -100,7 +100,7 @@ class CheckProbe:
         if kind == "raise":
             raise InjectedFault(f"ckptrun check: fault {fault.index} injected after "
                                 f"save({step}) on rank {self.rank}")
-        self._log.close()
+        self._log.close()  # flushed before the process may die
         me, agent = os.getpid(), os.getppid()
         if kind == "stop":
             os.kill(me, signal.SIGSTOP)
@@ -114,9 +114,11 @@ class CheckProbe:
             os.kill(me, signal.SIGKILL)
         else:  # "kill"
             os.kill(me, signal.SIGKILL)
-        # a stopped rank that is resumed, or one waiting for the forwarded SIGTERM, goes on
-        # without a log: nothing it saves from here on is this timeline's
-        self._log = open(os.devnull, "w")  # noqa: SIM115
+        # a stopped rank that a stack dump resumed, or one waiting for the forwarded
+        # SIGTERM, goes on logging: its peers move on with it, and what it saves until the
+        # agent stops them may be what the next attempt restores (a restore at step K, the
+        # last one, then saves nothing more)
+        self._log = open(self._log.name, "a", buffering=1)  # noqa: SIM115
 
 
 def _flip_one_byte(views: List[Any]) -> None:
