@@ -10,17 +10,21 @@ Worker-side API (see DESIGN §2)::
         ckpt.save(step + 1)
     ckpt.close()
 
+``@ckptrun.resilient`` on the function that builds the model and runs the loop: after a
+failure elsewhere the surviving ranks recover in place instead of restarting.
+
 Names are imported lazily so that ``ckptrun status`` does not pay for ``import torch``.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "heartbeat", "__version__"]
+__all__ = ["Checkpointer", "RecoveryRequested", "heartbeat", "resilient", "__version__"]
 
 # Imported eagerly (it needs only the stdlib) so that the name ``ckptrun.heartbeat`` is the
 # function even after something imports the submodule of the same name.
-from ckptrun.worker.heartbeat import heartbeat  # noqa: E402
+from ckptrun.worker.heartbeat import RecoveryRequested, heartbeat  # noqa: E402
+from ckptrun.worker.resilient import resilient  # noqa: E402  (stdlib only until it runs)
 
 
 def __getattr__(name: str):

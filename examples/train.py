@@ -5,7 +5,8 @@ Runs unchanged under ``ckptrun``, ``torchrun`` or plain ``python``::
     ckptrun --standalone --nproc-per-node 2 examples/train.py --steps 60
     ckptrun --standalone --nproc-per-node 2 examples/train.py --steps 60 --crash-at 25
 
-``--crash-at N`` kills rank ``--crash-rank`` with SIGKILL after step N, ``--hang-at N`` stops it
+``--in-place`` runs the training under ``@ckptrun.resilient``: the ranks that did not fail
+recover in their own processes.  ``--crash-at N`` kills rank ``--crash-rank`` with SIGKILL after step N, ``--hang-at N`` stops it
 with SIGSTOP, ``--raise-at N`` raises an exception -- each only in the first attempt, so the
 restarted job runs through.  ``--out FILE`` writes the final weights (rank 0) so a run with
 failures can be compared bitwise with one without.
@@ -54,7 +55,7 @@ def inject_failure(args: argparse.Namespace, step: int, rank: int) -> None:
         raise RuntimeError(f"injected failure after step {step}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--crash-at", type=int, default=-1)
@@ -66,13 +67,21 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--ballast-mib", type=int, default=0,
                    help="extra state (MiB) so that each snapshot takes a while to copy")
-    args = p.parse_args()
+    p.add_argument("--in-place", action="store_true",
+                   help="@ckptrun.resilient: after a failure elsewhere this rank recovers "
+                        "in its own process instead of restarting")
+    return p.parse_args()
 
+
+def train(args: argparse.Namespace) -> None:
+    """Everything of one run: process group, model, loop (what @ckptrun.resilient wraps)."""
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
 
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    print(f"[demo] rank {rank}: attempt {attempt} in pid {os.getpid()}", flush=True)
     model = build_model(args.width)
     # plain DDP: ckptrun keeps a resumed run bitwise equal to an uninterrupted one at any
     # world size (it gives a restored process the bucket layout DDP had settled on)
@@ -112,6 +121,11 @@ def main() -> None:
         # still in flight (seen with plain torchrun too): meet first
         dist.barrier()
         dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    (ckptrun.resilient(train) if args.in_place else train)(args)
 
 
 if __name__ == "__main__":

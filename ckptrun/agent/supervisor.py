@@ -30,6 +30,7 @@ from ckptrun.agent.downtime import RecoveryClock
 from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
 from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
+from ckptrun.agent.inplace import hand_over, keepable, unwind
 from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
 from ckptrun.agent.metrics import AgentMetrics, MetricsServer
 from ckptrun.agent.reaper import Reaper, unlink_shm
@@ -99,6 +100,8 @@ class Agent:
         self.stopped_by: Optional[int] = None  # the signal that stopped the job
         self.metrics: Optional[AgentMetrics] = None
         self.metrics_server: Optional[MetricsServer] = None
+        self.kept: Dict[int, Worker] = {}  # local rank -> worker recovering in place
+        self._hung: List[int] = []  # local ranks the last hang verdict named
 
     def run(self) -> int:
         code = 1
@@ -167,7 +170,11 @@ class Agent:
             except NodeLost as lost:
                 outcome = lost
                 self.clock.failed(at=time.monotonic() - lost.silent_s)
-            self._stop_group(isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN)
+            restart = isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN
+            self.kept = {}
+            if restart and isinstance(outcome, Epoch):  # a new machine: every rank starts
+                self.kept = self._unwind_survivors(outcome.attempt)
+            self._stop_group(restart)
             self.clock.stopped()
             if isinstance(outcome, NodeLost):
                 if not replace_nodes(self, outcome):
@@ -179,8 +186,17 @@ class Agent:
             self.epoch = outcome
             if self.epoch.state == RUN:
                 self.state = "restarting"
+                inplace = ({"in_place": sorted(w.global_rank for w in self.kept.values())}
+                           if self.kept else {})
                 self.events.emit("restart", attempt=self.epoch.attempt,
-                                 restarts=self.epoch.restarts)
+                                 restarts=self.epoch.restarts, **inplace)
+
+    def _unwind_survivors(self, target: int) -> Dict[int, Worker]:
+        """In-process recovery: the live ``@ckptrun.resilient`` workers that unwound for
+        attempt ``target`` (``ckptrun.agent.inplace``); the rest are restarted."""
+        hung, self._hung = self._hung, []
+        candidates = keepable(self.workers, self.control, self.epoch.attempt, hung)
+        return unwind(candidates, self.control, target) if candidates else {}
 
     def _ranks(self) -> List[int]:
         base = self.info.group_rank * self.cfg.nproc_per_node
@@ -206,8 +222,8 @@ class Agent:
         self.hang.reset()
         self.exits = []
         self.workers = []
+        kept, self.kept = self.kept, {}
         for lr, rank in enumerate(self._ranks()):
-            self.control.reset(lr)
             rank_logs = os.path.join(logs, str(lr))
             env = dict(self.launcher.base_env)
             env.update(torchrun_env(
@@ -227,6 +243,11 @@ class Agent:
                 env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
             if cfg.snapshot_every != "1":
                 env[P.ENV_EVERY] = cfg.snapshot_every
+            if lr in kept:  # goes on in its own process (its logs stay where they were)
+                hand_over(self.run_dir, self.control, lr, attempt, env)
+                self.workers.append(kept[lr])
+                continue
+            self.control.reset(lr)
             self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
         self.launcher.schedule_spares({lr: self._slot_prefix(rank)
                                        for lr, rank in enumerate(self._ranks())})
@@ -248,13 +269,16 @@ class Agent:
     def _stop_group(self, restart: bool) -> None:
         """A restart SIGKILLs once no snapshot copy is under way (snapshots are in agent memory;
         survivors sit in a collective where no handler runs); a final stop SIGTERMs first."""
+        kept = set(self.kept)
+        going = [w for w in self.workers if w.local_rank not in kept]
         if restart:
             self._await_copies()
-            self.launcher.retire(self.workers)
+            self.launcher.retire(going)
         else:
-            stop_workers(self.workers, self.cfg.shutdown_timeout)
+            stop_workers(going, self.cfg.shutdown_timeout)
         for w in self.workers:
-            self.reaper.forget(w.pid)
+            if w.local_rank not in kept:
+                self.reaper.forget(w.pid)
             # every bootstrap opens its stacks file; keep only real dumps
             path = stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)
             with contextlib.suppress(OSError):
@@ -299,7 +323,7 @@ class Agent:
             self.launcher.tick()
             for tier in self.tiers:
                 tier.tick()  # the memory tier keeps the slots mapped for a fast verify
-            codes = [w.status() for w in self.workers]
+            codes = [self._status(w) for w in self.workers]
             failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
             if failed:
                 self._note_restored([self.control.record(w.local_rank) for w in self.workers])
@@ -341,6 +365,14 @@ class Agent:
                 return self.coord.request_restart(attempt)
             self._write_status()
 
+    def _status(self, w: Worker) -> Optional[int]:
+        """``w.status()``, or exit code 1 for a worker whose script raised and is on its
+        way out (its traceback printed; the interpreter's teardown may take seconds)."""
+        code = w.status()
+        if code is None and self.control.get(w.local_rank, "raised"):
+            return 1
+        return code
+
     def _check_control(self, codes) -> Optional[Epoch]:
         now, restored = time.monotonic(), []
         for w, code in zip(self.workers, codes):
@@ -364,6 +396,7 @@ class Agent:
             remote_age = self.live.remote_progress_age()
         hang = self.hang.verdict(now, remote_age)
         if hang is not None:  # the ranks that stopped, not the ones waiting on them
+            self._hung = list(hang.ranks)
             by_local = {w.local_rank: w for w in self.workers}
             for lr in hang.ranks:
                 w = by_local[lr]

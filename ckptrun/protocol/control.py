@@ -61,7 +61,24 @@ _FIELDS = {
     "advanced": (136, "d"),
     # time.monotonic() of this process's first save(): the end of a recovery's downtime
     "first_step_at": (144, "d"),
+    # In-process recovery (``ckptrun.protocol.recovery``).  Worker-written: ``resilient`` is
+    # attempt + 1 while a ``@ckptrun.resilient`` function runs (0: none), ``unwound`` the
+    # attempt it has unwound for and waits to start.  Agent-written: ``recover`` the attempt
+    # it asks the worker to recover into, ``recover_go`` the one whose message is written.
+    "resilient": (152, "i"),
+    "unwound": (156, "i"),
+    "recover": (160, "i"),
+    "recover_go": (164, "i"),
+    # 1: the script raised an exception out of its top level and its traceback is printed;
+    # the process is on its way out (its interpreter's teardown can take seconds, or hang
+    # in gloo's while a peer waits): the agent counts the failure now.
+    "raised": (168, "i"),
 }
+
+# What a kept worker's record starts a new attempt with: the fields of one attempt cleared;
+# its process (pid, sampler), its committed slot and the agent's pin stay.
+_PER_ATTEMPT = ("heartbeat", "step", "phase", "beats", "save_block_s", "save_copy_s",
+                "restored_step", "restore_s", "fatal", "first_step_at", "unwound", "raised")
 
 
 class ControlBlock:
@@ -114,6 +131,12 @@ class ControlBlock:
         self._mm[base : base + RECORD_SIZE] = bytes(RECORD_SIZE)
         for name in ("committed_step", "committed_slot", "pin", "restored_step", "step"):
             self.set(local_rank, name, -1)
+
+    def reset_attempt(self, local_rank: int) -> None:
+        """Clear the per-attempt fields of a worker that goes on into the next attempt in
+        the same process (in-process recovery)."""
+        for name in _PER_ATTEMPT:
+            self.set(local_rank, name, -1 if name in ("step", "restored_step") else 0)
 
     def beat(self, local_rank: int, step: Optional[int] = None, phase: Optional[int] = None) -> None:
         """Worker side: record liveness (a few struct writes, no system call)."""

@@ -138,7 +138,7 @@ def _follow_thread_env(torch) -> None:  # type: ignore[no-untyped-def]
     os.putenv, builtins.__import__ = putenv, watching_import
 
 
-def _register_stack_dump(path: str):
+def register_stack_dump(path: str):
     """SIGUSR1 -> all threads' stacks into ``path`` (works for a SIGSTOPped worker on SIGCONT)."""
     try:
         f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
@@ -245,7 +245,7 @@ def main() -> None:
     _apply_env(go["env"], go.get("nice", 0))
     stacks = os.environ.get("CKPTRUN_STACKS_FILE")
     if stacks:
-        _register_stack_dump(stacks)
+        register_stack_dump(stacks)
     del raw, args
     from ckptrun.worker.clean_exit import collect_at_exit
 
@@ -261,12 +261,27 @@ def main() -> None:
         tb = _user_traceback(exc.__traceback__)
         exc.__traceback__ = tb  # the default hook prints the exception's own traceback
         sys.excepthook(type(exc), exc, tb)
+        _mark_raised()
         _mark_done()
         if isinstance(exc, KeyboardInterrupt):
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
     _mark_done()
+
+
+def _mark_raised() -> None:
+    """The traceback is out: the agent may count this failure before the teardown ends."""
+    if "ckptrun.worker.heartbeat" not in sys.modules:
+        return
+    try:
+        from ckptrun.worker.heartbeat import worker_link
+
+        link = worker_link()
+        if link is not None:
+            link[0].set(link[1], "raised", 1)
+    except Exception:
+        pass
 
 
 def _mark_done() -> None:

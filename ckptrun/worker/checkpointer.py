@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -49,7 +50,7 @@ from ckptrun.snapshot.slots import (
 from ckptrun.worker import prefault
 from ckptrun.worker.check_probe import CheckProbe
 from ckptrun.worker.clean_exit import collect_at_exit
-from ckptrun.worker.heartbeat import worker_link
+from ckptrun.worker.heartbeat import raise_if_recovering, worker_link
 from ckptrun.worker.interval import SnapshotInterval
 from ckptrun.worker.saving import Copier, Layout
 from ckptrun.worker.slotset import ShmTooSmall, SlotSet
@@ -58,6 +59,15 @@ from ckptrun.worker.standalone import StandalonePersister
 
 RNG_KEY = "rng"
 VALUES_KEY = VALUES_ENTRY  # what the script gave to save(step, **values)
+# every open Checkpointer of this process: an in-process recovery abandons them
+_live: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def abandon_all() -> None:
+    """In-process recovery: let each open Checkpointer finish the copy under way and stop
+    (no final snapshot, no persist -- the attempt they belong to is over)."""
+    for ck in list(_live):
+        ck._abandon()
 
 
 class Checkpointer:
@@ -119,6 +129,7 @@ class Checkpointer:
         self._stepped = False
         for opt in S.find_optimizers(self._view()):
             self._hook(opt)
+        _live.add(self)
 
     # ------------------------------------------------------------------ public API
 
@@ -143,6 +154,8 @@ class Checkpointer:
                              "state after n steps, and restore() returns 0 for 'nothing "
                              "restored'; in a loop over range(start, total) call "
                              "save(step + 1)")
+        if self._link is not None:
+            raise_if_recovering(self._link)  # a rank elsewhere failed (@ckptrun.resilient)
         self.values = values
         if not self._stepped:  # the first step this process made: the end of a recovery
             self._stepped = True
@@ -283,6 +296,23 @@ class Checkpointer:
         self._hooked.clear()
         self._copier.stop()
         self._closed = True
+        _live.discard(self)
+
+    def _abandon(self) -> None:
+        """Stop without a final snapshot: the copy under way completes (or is dropped if
+        it fails), the optimizer hooks go, the copy thread ends."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        except Exception as exc:  # a copy that failed is not a reason to stay down
+            print(f"ckptrun: the last snapshot copy failed: {exc!r}", file=sys.stderr)
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self._copier.stop()
+        self._closed = True
+        _live.discard(self)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -35,6 +35,31 @@ def worker_link() -> Optional[Tuple[ControlBlock, int]]:
     return _link
 
 
+class RecoveryRequested(Exception):
+    """Raised out of ``save()``/``heartbeat()`` inside a ``@ckptrun.resilient`` function when
+    the agent asks this rank to recover in place: a rank elsewhere failed.  The decorator
+    catches it; a loop that catches every ``Exception`` should let this one through."""
+
+    def __init__(self, attempt: int):
+        super().__init__(f"ckptrun: a rank elsewhere failed; recovering in place into "
+                         f"attempt {attempt}")
+        self.attempt = attempt
+
+
+def recovery_target(block: ControlBlock, local_rank: int) -> Optional[int]:
+    """The attempt the agent asks this worker to recover into, or None (none asked, or the
+    worker runs no resilient function)."""
+    running = block.get(local_rank, "resilient")  # attempt + 1
+    target = block.get(local_rank, "recover")
+    return target if running and target >= running else None
+
+
+def raise_if_recovering(link: Tuple[ControlBlock, int]) -> None:
+    target = recovery_target(*link)
+    if target is not None:
+        raise RecoveryRequested(target)
+
+
 def heartbeat(step: Optional[int] = None, phase: Optional[int] = None) -> None:
     """Tell the agent this worker is alive (call it during long phases with no ``save()``).
 
@@ -43,5 +68,6 @@ def heartbeat(step: Optional[int] = None, phase: Optional[int] = None) -> None:
     link = worker_link()
     if link is None:
         return
+    raise_if_recovering(link)
     block, local_rank = link
     block.beat(local_rank, step=step, phase=Phase.RUNNING if phase is None else phase)

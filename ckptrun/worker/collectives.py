@@ -1,0 +1,136 @@
+"""Breaking a worker's blocked collectives from another thread (in-process recovery).
+
+When a rank dies, only the ranks that talk to it directly see an error: gloo's ring leaves
+the others waiting for a neighbour that is itself waiting -- for the process group's
+timeout (30 minutes by default).  ``ProcessGroupGloo.abort()`` does not wake a waiting
+operation.  What does is the connection: once a pair's socket is shut down, the operation
+waiting on it raises at once, and so does the peer's at the other end -- so the error
+reaches every rank in one hop, whatever each is waiting for.
+
+So every process group created while a resilient function runs is watched: the sockets
+that appear during its creation (``_new_process_group_helper``, which ``init_process_group``
+and ``new_group`` both go through) are gloo's pair connections to the other ranks.  To break
+them, each connected one is ``shutdown()`` -- never a listening one: gloo's listener thread
+aborts the process on an error.  NCCL communicators are aborted with torch's
+``_abort_process_group``, which is made for this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+from typing import Dict, Set
+
+
+def _socket_fds() -> Dict[int, int]:
+    """{socket inode: one fd of this process on it}."""
+    out: Dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                link = os.readlink(f"/proc/self/fd/{name}")
+                if link.startswith("socket:["):
+                    out.setdefault(int(link[8:-1]), int(name))
+    return out
+
+
+class CollectiveBreaker:
+    """Watches process-group creation; :meth:`break_all` makes every blocked collective of
+    the watched groups raise."""
+
+    def __init__(self) -> None:
+        self._inodes: Set[int] = set()
+        self._lock = threading.Lock()
+        self._installed = False
+        self._nccl = False
+
+    def install(self) -> bool:
+        """Wrap torch's process-group constructor (once per process); False when this torch
+        has none to wrap (collectives then break only where a peer's death reaches)."""
+        if self._installed:
+            return True
+        try:
+            import torch.distributed.distributed_c10d as c10d
+        except ImportError:
+            return False
+        inner = getattr(c10d, "_new_process_group_helper", None)
+        if inner is None:
+            return False
+
+        def helper(*args, **kwargs):
+            before = set(_socket_fds())
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._inodes |= set(_socket_fds()) - before
+                backend = str(kwargs.get("backend", args[3] if len(args) > 3 else "")).lower()
+                self._nccl = self._nccl or "nccl" in backend
+
+        helper.__wrapped__ = inner  # type: ignore[attr-defined]
+        c10d._new_process_group_helper = helper
+        self._installed = True
+        return True
+
+    def break_all(self) -> int:
+        """Shut down the watched groups' connections (and abort NCCL's communicators);
+        returns how many sockets were shut down."""
+        if self._nccl:
+            self._abort_nccl()
+        n = 0
+        with self._lock:
+            inodes = set(self._inodes)
+        for inode, fd in _socket_fds().items():
+            if inode not in inodes:
+                continue
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+            except OSError:
+                pass  # already closed by the peer
+            finally:
+                s.close()  # the dup only; the socket is gloo's to close
+        return n
+
+    def forget(self) -> None:
+        """The watched groups are destroyed: their sockets are not ours to touch again."""
+        with self._lock:
+            self._inodes.clear()
+        self._nccl = False
+
+    @staticmethod
+    def _abort_nccl() -> None:
+        try:
+            import torch.distributed.distributed_c10d as c10d
+
+            c10d._abort_process_group()
+        except Exception as exc:  # torch without it, or nothing left to abort
+            print(f"ckptrun: aborting the NCCL communicators failed: {exc!r}", file=sys.stderr)
+
+
+def destroy_groups(timeout_s: float = 10.0) -> bool:
+    """``destroy_process_group()`` once the connections are broken (a thread: it joins
+    gloo's worker threads); False when it did not return within ``timeout_s``."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return True
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    t = threading.Thread(target=run, name="ckptrun-destroy-pg", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()

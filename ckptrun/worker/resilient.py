@@ -1,0 +1,192 @@
+"""``@ckptrun.resilient``: in-process recovery -- a surviving rank is not restarted.
+
+Decorate the function that sets up the process group and the model and runs the loop::
+
+    @ckptrun.resilient
+    def train(args):
+        dist.init_process_group("gloo")
+        model = DDP(build_model()); ...
+        ckpt = ckptrun.Checkpointer({...})
+        for step in range(ckpt.restore(), args.steps):
+            ...
+            ckpt.save(step + 1)
+
+When a rank elsewhere fails, the agent asks this one to recover (``ckptrun.protocol.recovery``):
+its blocked collectives are broken (``ckptrun.worker.collectives``), the exception that
+comes out of them -- or :class:`RecoveryRequested`, raised by the next ``save()`` or
+``heartbeat()`` -- unwinds the function, the process groups are destroyed, and once the
+failed ranks have been replaced the function is called again with the next attempt's
+environment.  Its ``init_process_group`` joins the new group, ``restore()`` returns the
+newest step every rank holds, and training goes on.  The process keeps its interpreter,
+imports, compiled code, CUDA context and anything built outside the function.
+
+An exception that is not caused by a failure elsewhere (the agent asks for no recovery in
+the few seconds after it) leaves the function as it would without the decorator: this
+rank fails and is replaced.  Under plain ``python`` or ``torchrun`` the decorator only
+calls the function.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+from ckptrun.protocol.recovery import message_path, read_message
+from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
+from ckptrun.worker.heartbeat import RecoveryRequested, recovery_target, worker_link
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+WATCH_S = 0.005  # how often the watcher thread reads the agent's request
+# how long an exception out of the function waits for the agent's request: a collective
+# broken by a dead peer raises before the agent has seen the death (a few ms locally; a
+# remote node's failure reaches this agent through the store)
+COMM_ERROR_WAIT_S = 10.0
+OTHER_ERROR_WAIT_S = 0.25
+GO_TIMEOUT_S = 900.0  # the agent replaces a worker that it gave up on; this is a last stop
+
+_breaker = CollectiveBreaker()
+
+__all__ = ["RecoveryRequested", "resilient"]
+
+
+def resilient(fn: Optional[F] = None) -> Any:
+    """Run ``fn`` so that a failure elsewhere in the job recovers this process in place
+    (see the module docstring); ``@ckptrun.resilient`` and ``@ckptrun.resilient()``."""
+    if fn is None:
+        return resilient
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        link = worker_link()
+        if link is None:  # plain python / torchrun: nothing to recover with
+            return fn(*args, **kwargs)
+        return _run(fn, args, kwargs, link)
+
+    wrapper.__ckptrun_resilient__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, link) -> Any:
+    block, local_rank = link
+    _breaker.install()
+    while True:
+        attempt = _attempt()
+        block.set(local_rank, "resilient", attempt + 1)
+        watcher = _Watcher(block, local_rank, attempt)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            target = watcher.wait_for_request(exc)
+            watcher.stop()
+            if target is None:  # this rank's own failure: it leaves as without us
+                block.set(local_rank, "resilient", 0)
+                # its peers wait in a collective for it: they learn now, not at its exit
+                _breaker.break_all()
+                raise
+            what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            del exc  # its traceback holds the function's frames: the model, DDP, the group
+        else:
+            watcher.stop()
+            block.set(local_rank, "resilient", 0)
+            return result
+        env = _unwind_and_wait(block, local_rank, target)
+        if env is None:
+            block.set(local_rank, "resilient", 0)
+            raise RuntimeError(f"ckptrun: no usable recovery message for attempt {target} "
+                               f"(unwound after {what})")
+        os.environ.update(env)
+        stacks = env.get("CKPTRUN_STACKS_FILE")
+        if stacks:
+            from ckptrun.worker.bootstrap import register_stack_dump
+
+            register_stack_dump(stacks)
+        print(f"ckptrun: rank {os.environ.get('RANK', '?')}: recovering in place into attempt "
+              f"{_attempt()} (unwound on {what[:120]})", file=sys.stderr, flush=True)
+
+
+def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
+    """Leave nothing of the failed attempt running, tell the agent, wait for its go; the
+    message's environment updates (None: none usable)."""
+    from ckptrun.worker.checkpointer import abandon_all
+
+    abandon_all()  # their last copy finishes first: the slot the restore reads is whole
+    _breaker.break_all()  # a group created after the request was read
+    destroy_groups()
+    _breaker.forget()
+    gc.collect()  # the failed attempt's DDP reducers, groups and loaders go now
+    block.set(local_rank, "unwound", target)
+    run_dir = os.environ.get("CKPTRUN_RUN_DIR", "")
+    deadline = time.monotonic() + GO_TIMEOUT_S
+    while time.monotonic() < deadline:
+        go = block.get(local_rank, "recover_go")
+        if go >= target:
+            return read_message(message_path(run_dir, go, local_rank), go)
+        later = block.get(local_rank, "recover")
+        if later > target:  # another failure before the go: that attempt, same process
+            target = later
+            block.set(local_rank, "unwound", target)
+        time.sleep(WATCH_S)
+    return None
+
+
+class _Watcher:
+    """A thread that reads the agent's request; on one, it breaks the collectives so that
+    the function unwinds wherever it waits."""
+
+    def __init__(self, block, local_rank: int, attempt: int):
+        self.block, self.local_rank, self.attempt = block, local_rank, attempt
+        self.target: Optional[int] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ckptrun-recovery",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            target = recovery_target(self.block, self.local_rank)
+            if target is not None:
+                self.target = target
+                _breaker.break_all()
+                return
+
+    def wait_for_request(self, exc: BaseException) -> Optional[int]:
+        """The attempt to recover into, when ``exc`` came from a failure elsewhere; None
+        when the agent asks for none in time."""
+        if isinstance(exc, RecoveryRequested):
+            return exc.attempt
+        wait = COMM_ERROR_WAIT_S if _from_communication(exc) else OTHER_ERROR_WAIT_S
+        deadline = time.monotonic() + wait
+        while True:
+            target = recovery_target(self.block, self.local_rank)
+            if target is not None:
+                return target
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(WATCH_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _from_communication(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a broken collective (gloo/NCCL, a closed connection)."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+    except ImportError:
+        pass
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "socket", "peer",
+                                   "process group", "processgroup", "timed out"))

@@ -1,0 +1,161 @@
+"""In-process recovery (``@ckptrun.resilient``): the ranks that did not fail go on in their
+own processes -- their blocked collectives broken, the function called again with the next
+attempt's environment -- and the run still ends bitwise equal to one without failures.
+
+The end-to-end runs use only the contract: the command line, ``events.jsonl``, the script's
+output and its final weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import pytest
+import torch
+
+from ckptrun.agent.inplace import hand_over, keepable, unwind
+from ckptrun.protocol import ControlBlock
+from ckptrun.protocol.recovery import message, message_path, read_message
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+STEPS = 16
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+class _FakeWorker:
+    def __init__(self, local_rank: int, alive: bool = True):
+        self.local_rank = self.global_rank = local_rank
+        self.alive = alive
+
+    def status(self):
+        return None if self.alive else -9
+
+
+def test_only_live_resilient_workers_of_the_attempt_are_kept(tmp_path):
+    block = ControlBlock(str(tmp_path / "ctl"), 5, create=True)
+    workers = [_FakeWorker(0), _FakeWorker(1), _FakeWorker(2, alive=False), _FakeWorker(3),
+               _FakeWorker(4)]
+    for lr in range(5):
+        block.set(lr, "resilient", 3)  # attempt 2 + 1
+    block.set(3, "resilient", 0)  # not (or no longer) in a resilient function
+    block.set(4, "raised", 1)  # its own exception: on its way out
+    got = keepable(workers, block, 2, excluded=[1])  # rank 1 named by a hang verdict
+    assert [w.local_rank for w in got] == [0]
+    assert keepable(workers, block, 1, excluded=[]) == []  # another attempt's
+
+
+def test_unwind_keeps_who_unwinds_in_time_and_hand_over_starts_them(tmp_path):
+    block = ControlBlock(str(tmp_path / "ctl"), 2, create=True)
+    a, b = _FakeWorker(0), _FakeWorker(1)
+    block.set(0, "unwound", 4)  # as the worker would, once it saw recover = 4
+    t0 = time.monotonic()
+    kept = unwind([a, b], block, 4, timeout_s=0.3)
+    assert list(kept) == [0] and time.monotonic() - t0 >= 0.3  # rank 1 never answered
+    assert block.get(0, "recover") == 4 and block.get(1, "recover") == 4
+    block.set(0, "first_step_at", 12.5)
+    block.set(0, "committed_step", 7)
+    hand_over(str(tmp_path), block, 0, 4, {"MASTER_PORT": "1234", "RANK": "0",
+                                           "TORCHELASTIC_RESTART_COUNT": "4"})
+    assert block.get(0, "recover_go") == 4 and block.get(0, "first_step_at") == 0
+    assert block.get(0, "committed_step") == 7  # the slot it holds is still the restore's
+    assert read_message(message_path(str(tmp_path), 4, 0), 4) == {
+        "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "4"}  # only what changes
+    assert os.stat(os.path.dirname(message_path(str(tmp_path), 4, 0))).st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("text", ["", "[]", '{"attempt": 3, "env": {}}', "{not json",
+                                  '{"attempt": 4, "env": {"LD_PRELOAD": "/tmp/x.so"}}',
+                                  '{"attempt": 4, "env": {"MASTER_PORT": 1}}'])
+def test_a_message_that_is_not_for_this_attempt_or_malformed_is_refused(tmp_path, text):
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    assert read_message(str(path), 4) is None
+    assert read_message(str(tmp_path / "missing.json"), 4) is None
+    good = message(4, {"MASTER_PORT": "99", "PATH": "/bin"})
+    assert good == {"attempt": 4, "env": {"MASTER_PORT": "99"}}
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _run(tmp_path, name: str, nproc: int, *args: str, timeout: int = 300):
+    run_dir, out = tmp_path / name, tmp_path / f"{name}.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", str(nproc),
+         "--hang-timeout", "3", "--run-dir", str(run_dir), TRAIN, "--width", "64",
+         "--steps", str(STEPS), "--out", str(out), *args],
+        capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(run_dir / "events.jsonl") as f:
+        evts = [json.loads(line) for line in f if line.strip()]
+    return proc, evts, torch.load(out, weights_only=True)
+
+
+def _pids(output: str) -> Dict[int, Dict[int, int]]:
+    """rank -> {attempt: the pid it ran in}, from the script's start line."""
+    got: Dict[int, Dict[int, int]] = {}
+    for rank, attempt, pid in re.findall(r"\[demo\] rank (\d+): attempt (\d+) in pid (\d+)",
+                                         output):
+        got.setdefault(int(rank), {})[int(attempt)] = int(pid)
+    return got
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The failure-free run's final weights at each world size, computed once."""
+    cache: Dict[int, dict] = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in cache:
+            cache[nproc] = _run(tmp_path_factory.mktemp(f"ref{nproc}"), "ref", nproc)[2]
+        return cache[nproc]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,fault,rank", [
+    (2, "--crash-at", 1), (3, "--crash-at", 0), (4, "--crash-at", 2),
+    (3, "--hang-at", 2), (3, "--raise-at", 1)])
+def test_survivors_recover_in_their_own_process_and_lose_nothing(tmp_path, references, nproc,
+                                                                fault, rank):
+    proc, evts, weights = _run(tmp_path, "job", nproc, "--in-place", fault, "6",
+                               "--crash-rank", str(rank))
+    survivors = [r for r in range(nproc) if r != rank]
+    restarts = [e for e in evts if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["in_place"] == survivors, restarts
+    out = proc.stdout + proc.stderr
+    for r in survivors:
+        assert f"rank {r}: recovering in place into attempt 1" in out, out[-3000:]
+    # the survivors ran attempt 1 in the process they started in; only the failed rank is new
+    pids = _pids(out)
+    assert all(sorted(pids[r]) == [0, 1] for r in range(nproc)), pids
+    assert all(pids[r][0] == pids[r][1] for r in survivors), pids
+    assert pids[rank][0] != pids[rank][1], pids
+    restored = [e for e in evts if e["event"] == "restored"]
+    assert restored and restored[0]["tier"] == "memory" and restored[0]["step"] >= 5
+    if fault == "--raise-at":  # counted when the traceback is out, not at the process's end
+        failed = [e for e in evts if e["event"] == "worker_failed"]
+        assert failed == [{**failed[0], "rank": rank, "exit_code": 1}], failed
+    assert _equal(weights, references(nproc)), "in-place recovery changed the result"
+
+
+@pytest.mark.slow
+def test_a_script_that_does_not_opt_in_restarts_every_rank(tmp_path):
+    proc, evts, _ = _run(tmp_path, "plain", 2, "--crash-at", "6", "--crash-rank", "1")
+    restarts = [e for e in evts if e["event"] == "restart"]
+    assert len(restarts) == 1 and "in_place" not in restarts[0], restarts
+    pids = _pids(proc.stdout + proc.stderr)
+    assert sorted(pids) == [0, 1] and all(p[0] != p[1] for p in pids.values()), pids
+    assert "recovering in place" not in proc.stderr
