@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch

@@ -60,7 +60,7 @@ from ckptrun.worker.standalone import StandalonePersister
 RNG_KEY = "rng"
 VALUES_KEY = VALUES_ENTRY  # what the script gave to save(step, **values)
 # every open Checkpointer of this process: an in-process recovery abandons them
-_live: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 def abandon_all() -> None:
