@@ -22,7 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.replication",
                    "benchmarks.recovery", "benchmarks.machine_loss", "benchmarks.quoted",
                    "benchmarks.overhead", "benchmarks.steady_state",
-                   "benchmarks.replication_overhead", "benchmarks.ddp_exact", "benchmarks.goodput"]
+                   "benchmarks.replication_overhead", "benchmarks.ddp_exact", "benchmarks.inplace",
+                   "benchmarks.goodput"]
 
 Row = Dict[str, object]
 Column = Tuple[str, str, str]  # (row key, header, format: "s", "ms", "gbps", "ratio", "pct", "int", "str", "bytes")

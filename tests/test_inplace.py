@@ -159,3 +159,41 @@ def test_a_script_that_does_not_opt_in_restarts_every_rank(tmp_path):
     pids = _pids(proc.stdout + proc.stderr)
     assert sorted(pids) == [0, 1] and all(p[0] != p[1] for p in pids.values()), pids
     assert "recovering in place" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_in_place_across_two_machines(tmp_path, references):
+    """Two agents (2 ranks each): rank 3 dies on node 1; rank 2 beside it and both ranks of
+    node 0 -- which learns of it through the store -- recover in their own processes."""
+    import socket
+    import uuid
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdzv, procs = uuid.uuid4().hex[:8], []
+    for node in range(2):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ckptrun.cli", "--nnodes", "2", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", rdzv, "--run-dir", str(tmp_path / f"node{node}"), TRAIN,
+             "--width", "64", "--steps", str(STEPS), "--out", str(tmp_path / "out.pt"),
+             "--in-place", "--crash-at", "6", "--crash-rank", "3"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            outs.append(out + err)
+            assert p.returncode == 0, err[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for node, want in ((0, [0, 1]), (1, [2])):
+        with open(tmp_path / f"node{node}" / "events.jsonl") as f:
+            restarts = [e for line in f for e in [json.loads(line)] if e["event"] == "restart"]
+        assert len(restarts) == 1 and restarts[0]["in_place"] == want, (node, restarts)
+    pids = _pids("".join(outs))
+    assert all(pids[r][0] == pids[r][1] for r in (0, 1, 2)) and pids[3][0] != pids[3][1], pids
+    assert _equal(torch.load(tmp_path / "out.pt", weights_only=True), references(4))

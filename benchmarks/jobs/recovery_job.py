@@ -198,6 +198,12 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--in-place", action="store_true",
+                   help="run the training under @ckptrun.resilient (in-process recovery)")
+    p.add_argument("--setup-s", type=float, default=0.0,
+                   help="the process's own start-up before training, outside the training "
+                        "function (a tokenizer, a dataset index: what a GPT script loads)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--step-time", type=float, default=0.0,
                    help="pad every step to at least this many seconds with a sleep after "
                         "save() (a GPU-bound step: the CPU waits, the snapshot copy overlaps)")
@@ -206,6 +212,18 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> None:
     args = parse(argv)
+    if args.setup_s > 0:  # once per process: a survivor recovering in place keeps it
+        time.sleep(args.setup_s)
+    if args.in_place:
+        import ckptrun
+
+        ckptrun.resilient(train)(args)
+    else:
+        train(args)
+
+
+def train(args: argparse.Namespace) -> None:
+    """One attempt's training (what ``--in-place`` wraps in ``@ckptrun.resilient``)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -214,6 +232,8 @@ def main(argv: Optional[list] = None) -> None:
     dist.init_process_group("gloo")
     model = build(args)
     ddp = nn.parallel.DistributedDataParallel(model)
+    if args.compile:  # compiled at the first step: a restarted process pays it again
+        ddp = torch.compile(ddp)
     optim = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     blob = torch.zeros(blob_numel(args, model))
     torch.manual_seed(1 + rank)

@@ -1,0 +1,119 @@
+"""In-process recovery vs a restart: downtime and where it goes, side by side.
+
+The recovery job (``benchmarks/jobs/recovery_job.py``, 2 ranks, gloo) in three forms:
+
+* ``plain``: no start-up of its own (the recovery section's job);
+* ``set-up 5 s``: 5 s of per-process start-up outside the training function -- what a GPT
+  script spends on its tokenizer, dataset index and data-loader workers before the loop
+  (simulated with a sleep: the cost a restarted process pays again, whatever it is made of);
+* ``torch.compile``: the DDP model compiled at its first step (real compilation).
+
+Each is run three ways: ckptrun with ``@ckptrun.resilient`` (``--in-place``: the rank that
+did not fail keeps its process), ckptrun restarting both ranks, and torchrun +
+``torch.save`` every 10 steps.  Rank 1 is SIGKILLed inside a step; the time is failure
+-> every rank completed its first step after the restore (measured from the script's own
+logs, as in the recovery section), plus the phases of ckptrun's ``recovered`` event.
+Goal (issue 16): survivors add nothing -- downtime ≈ detection + the replacement's
+restore and first step -- and no recompilation on a survivor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+from typing import Dict, List
+
+from benchmarks import Context, Row, section
+from benchmarks.jobrun import Launch, interleaved_rounds, launch
+from benchmarks.recovery import SAVE_EVERY, FailTrigger, measure, state_mb
+
+KILL_AT = 25
+SETUP_S = 5.0
+
+FORMS = {"plain": [], f"set-up {SETUP_S:.0f} s": ["--setup-s", str(SETUP_S)],
+         "torch.compile": ["--compile"]}
+MODES = {"ckptrun in-place": ("ckptrun", ["--in-place"]), "ckptrun restart": ("ckptrun", []),
+         "torchrun + torch.save/10": ("torchrun", [])}
+
+COLUMNS = [("form", "job", "str"), ("mode", "recovery", "str"), ("bytes", "state/rank", "bytes"),
+           ("median_s", "failure → first step (median)", "s"), ("min_s", "min", "s"),
+           ("max_s", "max", "s"), ("vs_restart", "÷ ckptrun restart", "ratio"),
+           ("detect_s", "detect", "s"), ("stop_s", "stop / unwind", "s"),
+           ("start_s", "start", "s"), ("restore_s", "restore", "s"),
+           ("first_step_s", "script → first step", "s"), ("steps_lost", "steps lost", "float"),
+           ("reps", "reps", "int"), ("note", "note", "str")]
+
+
+def _launch(form: List[str], mode: str, mb: int, work: str) -> Launch:
+    launcher, extra = MODES[mode]
+    ckpt = "ckptrun" if launcher == "ckptrun" else "torchsave"
+    job = ["--ckpt", ckpt, "--state-mb", str(mb), "--save-every", str(SAVE_EVERY),
+           "--ckpt-dir", os.path.join(work, "ckpt"), "--fail-file", os.path.join(work, "fail"),
+           "--kill-at", str(KILL_AT), *form, *extra]
+    if launcher == "torchrun":
+        return Launch("torchrun", job, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return Launch("ckptrun", job, env={"CKPTRUN_SPARE_DELAY": "0"})
+
+
+def _phases(events: List[dict]) -> Dict[str, float]:
+    rec = [e for e in events if e.get("event") == "recovered"]
+    return {k: float(v) for k, v in (rec[0].get("phases") or {}).items()} if rec else {}
+
+
+@section("inplace", "In-process recovery (@ckptrun.resilient) vs restart", COLUMNS,
+         note="2 ranks, SIGKILL of rank 1 inside a step; medians over rounds; phases from "
+              "ckptrun's recovered event (script → first step: the processes' own time "
+              "until every rank's first step after the restore)")
+def inplace(ctx: Context) -> List[Row]:
+    mb = state_mb(ctx)
+    reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
+    root = tempfile.mkdtemp(prefix="ckptrun-bench-inplace-", dir=ctx.tmpdir)
+    cases = [(f, m) for f in FORMS for m in MODES]
+    names = [f"{f} | {m}" for f, m in cases]
+
+    def one(rnd: int, name: str) -> Dict[str, object]:
+        form, mode = name.split(" | ")
+        work = tempfile.mkdtemp(prefix=f"r{rnd}-", dir=root)
+        trigger = FailTrigger(work, MODES[mode][0], 2.0, 60.0)
+        out = launch(_launch(FORMS[form], mode, mb, work), work, timeout_s=240.0,
+                     stop_when=trigger)
+        sample = measure(out, hang=False)
+        sample.pop("start_s", None)  # "start" here is the phase of ckptrun's recovered event
+        sample.update(_phases(out.events))
+        in_place = [e.get("in_place") for e in out.events if e.get("event") == "restart"]
+        sample["kept"] = in_place[0] if in_place else None
+        shutil.rmtree(work, ignore_errors=True)
+        return sample
+
+    try:
+        samples = interleaved_rounds(names, reps, ctx.time_budget_s, one)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows: List[Row] = []
+    for (form, mode), name in zip(cases, names):
+        good = [s for s in samples[name] if "error" not in s]
+        row: Row = {"form": form, "mode": mode, "bytes": mb << 20, "reps": len(good)}
+        bad = [str(s["error"]) for s in samples[name] if "error" in s]
+        notes = [f"{len(bad)} run(s) failed: {bad[0][:160]}"] if bad else []
+        if good:
+            rec = [float(s["recovery_s"]) for s in good]
+            row.update(median_s=statistics.median(rec), min_s=min(rec), max_s=max(rec),
+                       steps_lost=statistics.median(int(s["steps_lost"]) for s in good),
+                       samples=good)
+            for key in ("detect_s", "stop_s", "start_s", "restore_s", "first_step_s"):
+                vals = [float(s[key]) for s in good if key in s]
+                if vals:
+                    row[key] = statistics.median(vals)
+            if mode == "ckptrun in-place" and not all(s.get("kept") == [0] for s in good):
+                notes.append("rank 0 was not always kept: " + str([s.get("kept") for s in good]))
+        row["note"] = "; ".join(notes)
+        rows.append(row)
+    for form in FORMS:
+        base = next((r for r in rows if r["form"] == form and r["mode"] == "ckptrun restart"
+                     and r.get("median_s")), None)
+        for r in rows:
+            if base and r["form"] == form and r.get("median_s"):
+                r["vs_restart"] = float(r["median_s"]) / float(base["median_s"])
+    return rows
