@@ -66,12 +66,22 @@ def test_a_rank_that_goes_on_after_its_fault_keeps_logging(tmp_path, monkeypatch
 
 @pytest.mark.slow
 @pytest.mark.spares
-def test_a_soak_of_every_kind_at_three_ranks_loses_nothing(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+def test_a_soak_of_every_kind_at_three_ranks_loses_nothing(tmp_path, in_place):
     """CI's short soak: one fault of each kind at 3 ranks (``make soak`` runs 100; the
-    closing note of issue 13 reports a 20-fault run)."""
+    closing note of issue 13 reports a 20-fault run) -- with every rank restarted, and with
+    the survivors recovering in their own processes (``@ckptrun.resilient``)."""
     proc = soak(tmp_path, 3, "--hang-timeout", "3", "--faults", "6", "--seed", "5",
-                "--steps", "16", TRAIN, "--width", "64", "--steps", "16")
+                "--steps", "16", TRAIN, "--width", "64", "--steps", "16",
+                *(["--in-place"] if in_place else []))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    with open(tmp_path / "soak" / "soak" / "run" / "events.jsonl") as f:
+        restarts = [e for line in f for e in [json.loads(line)] if e["event"] == "restart"]
+    kept = [e.get("in_place") for e in restarts]
+    if in_place:  # the faults that leave the agent running: two ranks go on in place
+        assert len(kept) >= 3 and all(k is not None and len(k) == 2 for k in kept), kept
+    else:
+        assert restarts and kept == [None] * len(kept), kept
     got = json.loads(proc.stdout)
     assert got["exact"] is True and got["injected"] == got["requested"] == 6, got
     assert got["faults"] == {k: 1 for k in got["faults"]} and set(got["faults"]) == set(KINDS)

@@ -152,16 +152,6 @@ def test_survivors_recover_in_their_own_process_and_lose_nothing(tmp_path, refer
 
 
 @pytest.mark.slow
-def test_a_script_that_does_not_opt_in_restarts_every_rank(tmp_path):
-    proc, evts, _ = _run(tmp_path, "plain", 2, "--crash-at", "6", "--crash-rank", "1")
-    restarts = [e for e in evts if e["event"] == "restart"]
-    assert len(restarts) == 1 and "in_place" not in restarts[0], restarts
-    pids = _pids(proc.stdout + proc.stderr)
-    assert sorted(pids) == [0, 1] and all(p[0] != p[1] for p in pids.values()), pids
-    assert "recovering in place" not in proc.stderr
-
-
-@pytest.mark.slow
 def test_in_place_across_two_machines(tmp_path, references):
     """Two agents (2 ranks each): rank 3 dies on node 1; rank 2 beside it and both ranks of
     node 0 -- which learns of it through the store -- recover in their own processes."""
@@ -197,3 +187,41 @@ def test_in_place_across_two_machines(tmp_path, references):
     pids = _pids("".join(outs))
     assert all(pids[r][0] == pids[r][1] for r in (0, 1, 2)) and pids[3][0] != pids[3][1], pids
     assert _equal(torch.load(tmp_path / "out.pt", weights_only=True), references(4))
+
+
+def test_breaking_the_connections_wakes_a_collective_that_waits_for_a_live_rank(tmp_path):
+    """gloo's abort() does not wake a waiting all-reduce; shutting the group's connections
+    down does, on this rank at once and on the peer at its next collective."""
+    store = str(tmp_path / "store")
+    probe = os.path.join(ROOT, "tests", "scripts", "breaker_probe.py")
+    procs = [subprocess.Popen([sys.executable, probe, str(r), store], stdout=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    lines = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        lines += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    raised = {d["rank"]: d for d in lines if "raised" in d}
+    assert raised[0]["raised"] and raised[1]["raised"], lines
+    assert raised[0]["after_s"] < 5.0, lines  # not the group's 60 s timeout
+    assert [d["shut"] for d in lines if "shut" in d] == [1], lines  # its one pair, not the listener
+    assert all(d["destroyed"] for d in lines if "destroyed" in d), lines
+
+
+def test_a_group_made_outside_the_function_keeps_the_restart(tmp_path):
+    script = tmp_path / "outside.py"
+    script.write_text(
+        "import datetime, sys, torch.distributed as dist, ckptrun\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/s', rank=0,\n"
+        "                        world_size=1)\n"
+        "@ckptrun.resilient\n"
+        "def train():\n"
+        "    return 'ran'\n"
+        "print(train())\n")
+    ctl = str(tmp_path / "ctl")
+    ControlBlock(ctl, 1, create=True)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "CKPTRUN_CONTROL": ctl, "CKPTRUN_LOCAL_RANK": "0"},
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr[-2000:]
+    assert "in-process recovery needs init_process_group() inside it" in proc.stderr
+    assert ControlBlock(ctl).get(0, "resilient") == 0

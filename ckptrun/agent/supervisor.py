@@ -244,6 +244,7 @@ class Agent:
             if cfg.snapshot_every != "1":
                 env[P.ENV_EVERY] = cfg.snapshot_every
             if lr in kept:  # goes on in its own process (its logs stay where they were)
+                os.makedirs(rank_logs, mode=0o700, exist_ok=True)  # its error file's place
                 hand_over(self.run_dir, self.control, lr, attempt, env)
                 self.workers.append(kept[lr])
                 continue

@@ -78,7 +78,7 @@ class CollectiveBreaker:
     def break_all(self) -> int:
         """Shut down the watched groups' connections (and abort NCCL's communicators);
         returns how many sockets were shut down."""
-        if self._nccl:
+        if self._nccl or _default_uses_nccl():
             self._abort_nccl()
         n = 0
         with self._lock:
@@ -114,6 +114,19 @@ class CollectiveBreaker:
             c10d._abort_process_group()
         except Exception as exc:  # torch without it, or nothing left to abort
             print(f"ckptrun: aborting the NCCL communicators failed: {exc!r}", file=sys.stderr)
+
+
+def _default_uses_nccl() -> bool:
+    """Whether the default group has an NCCL backend (``init_process_group()`` with no
+    backend on a GPU machine picks ``cpu:gloo,cuda:nccl``)."""
+    if "torch" not in sys.modules:
+        return False
+    try:
+        import torch.distributed as dist
+
+        return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    except Exception:
+        return False
 
 
 def destroy_groups(timeout_s: float = 10.0) -> bool:

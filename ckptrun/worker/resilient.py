@@ -42,7 +42,10 @@ from ckptrun.worker.heartbeat import RecoveryRequested, recovery_target, worker_
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-WATCH_S = 0.005  # how often the watcher thread reads the agent's request
+WATCH_S = 0.02  # how often the watcher thread reads the agent's request (a dead peer's
+# collectives raise by themselves: this only bounds how long a rank that waits for a live one,
+# or computes, goes on)
+POLL_S = 0.005  # how often an unwound rank looks for the request or the go
 # how long an exception out of the function waits for the agent's request: a collective
 # broken by a dead peer raises before the agent has seen the death (a few ms locally; a
 # remote node's failure reaches this agent through the store)
@@ -66,10 +69,29 @@ def resilient(fn: Optional[F] = None) -> Any:
         link = worker_link()
         if link is None:  # plain python / torchrun: nothing to recover with
             return fn(*args, **kwargs)
+        if _group_exists():
+            # a group made outside cannot be re-formed by calling the function again: this
+            # rank restarts as without the decorator (rather than go on with a broken group)
+            print("ckptrun: @ckptrun.resilient: the process group was created before "
+                  f"{getattr(fn, '__name__', 'the function')}() was called; in-process "
+                  "recovery needs init_process_group() inside it -- this rank restarts as "
+                  "usual after a failure", file=sys.stderr, flush=True)
+            return fn(*args, **kwargs)
         return _run(fn, args, kwargs, link)
 
     wrapper.__ckptrun_resilient__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _group_exists() -> bool:
+    if "torch" not in sys.modules:
+        return False
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
 
 
 def _attempt() -> int:
@@ -172,7 +194,7 @@ class _Watcher:
                 return target
             if time.monotonic() >= deadline:
                 return None
-            time.sleep(WATCH_S)
+            time.sleep(POLL_S)
 
     def stop(self) -> None:
         self._stop.set()
