@@ -66,6 +66,7 @@ class AgentConfig:
     persist_every_seconds: Optional[float] = 600.0
     keep: int = 3
     replicas: int = 2
+    hot_spares: bool = False  # --hot-spares: spares run the script to its resilient function
     hang_timeout: Optional[float] = None  # None = auto
     resume_from: Optional[str] = None
     replication_rate: Optional[float] = None  # bytes/s per agent; None = unpaced

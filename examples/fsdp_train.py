@@ -1,7 +1,8 @@
 """Example (and adapter test job) -- FSDP2 job for the adapter tests: fully_shard MLP, AdamW, dropout, gloo on CPU.
 
 ``--steps N`` trains to step N (resuming from whatever ``Checkpointer.restore()`` finds);
-``--crash-at K`` SIGKILLs rank 1 after step K in the first attempt; ``--out F`` writes every
+``--crash-at K`` SIGKILLs rank 1 after step K in the first attempt (``--in-place``: rank 0
+recovers in its own process, ``@ckptrun.resilient``); ``--out F`` writes every
 rank's full (gathered) model and optimizer state, from rank 0, with ``torch.save``.
 """
 
@@ -27,7 +28,13 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--persist-to", default=None)
     p.add_argument("--persist-every", type=int, default=None)
+    p.add_argument("--in-place", action="store_true",
+                   help="@ckptrun.resilient: a rank that did not fail recovers in its process")
     a = p.parse_args()
+    (ckptrun.resilient(train) if a.in_place else train)(a)
+
+
+def train(a: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

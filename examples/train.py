@@ -67,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="")
     p.add_argument("--ballast-mib", type=int, default=0,
                    help="extra state (MiB) so that each snapshot takes a while to copy")
+    p.add_argument("--setup-s", type=float, default=0.0,
+                   help="seconds of per-process start-up before training (a tokenizer, a "
+                        "dataset index), outside the function --in-place wraps")
     p.add_argument("--in-place", action="store_true",
                    help="@ckptrun.resilient: after a failure elsewhere this rank recovers "
                         "in its own process instead of restarting")
@@ -125,6 +128,9 @@ def train(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.setup_s:  # the process's own start-up, outside the training function
+        time.sleep(args.setup_s)
+        print(f"[demo] set-up done in pid {os.getpid()}", flush=True)
     (ckptrun.resilient(train) if args.in_place else train)(args)
 
 

@@ -10,12 +10,15 @@ from adapter_util import assert_bitwise, ckptrun_job, of, torchrun_job
 pytestmark = pytest.mark.slow
 
 
-def test_fsdp2_sigkill_restores_from_memory_bitwise(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+def test_fsdp2_sigkill_restores_from_memory_bitwise(tmp_path, in_place):
     ref, out = str(tmp_path / "ref.pt"), str(tmp_path / "out.pt")
     torchrun_job("fsdp_train.py", "--steps", "6", "--out", ref)  # plain torchrun: in-process
     evts = ckptrun_job(str(tmp_path / "run"), "fsdp_train.py", "--steps", "6",
-                       "--crash-at", "3", "--out", out)
+                       "--crash-at", "3", "--out", out, *(["--in-place"] if in_place else []))
     assert of(evts, "worker_failed") and of(evts, "restored")[0]["tier"] == "memory"
+    # with @ckptrun.resilient rank 0 re-forms its FSDP2 group and mesh in its own process
+    assert of(evts, "restart")[0].get("in_place") == ([0] if in_place else None)
     got = torch.load(out, weights_only=True)
     assert got["start"] >= 2
     want = torch.load(ref, weights_only=True)

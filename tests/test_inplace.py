@@ -225,3 +225,56 @@ def test_a_group_made_outside_the_function_keeps_the_restart(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr[-2000:]
     assert "in-process recovery needs init_process_group() inside it" in proc.stderr
     assert ControlBlock(ctl).get(0, "resilient") == 0
+
+
+@pytest.mark.slow
+def test_a_hot_spare_takes_the_failed_rank_without_the_scripts_start_up(tmp_path):
+    """``--hot-spares``: a spare runs the script's start-up (2 s here, outside the resilient
+    function) and waits at the function; the failed rank's replacement is that process."""
+    run_dir, out = tmp_path / "hot", tmp_path / "hot.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+         "--hot-spares", "--run-dir", str(run_dir), TRAIN, "--width", "64", "--steps", "60",
+         "--step-time", "0.25", "--setup-s", "2", "--in-place", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "CKPTRUN_SPARE_DELAY": "0"})
+    try:
+        deadline, hot, victim = time.monotonic() + 120, None, None
+        while time.monotonic() < deadline and hot is None:
+            time.sleep(0.2)
+            try:
+                st = json.loads((run_dir / "status.json").read_text())
+            except (OSError, ValueError):
+                continue
+            ready = [h for h in st.get("hot_spares") or [] if h["ready"] and h["rank"] == 1]
+            workers = [w for w in st.get("workers") or [] if w["rank"] == 1 and w["step"] > 0]
+            if ready and workers:
+                hot, victim = ready[0], workers[0]
+        assert hot is not None, "no hot spare became ready"
+        os.kill(victim["pid"], 9)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-4000:]
+    text = stdout + stderr
+    assert "rank 1: a hot spare takes the rank in attempt 1" in text, text[-3000:]
+    pids = _pids(text)
+    assert pids[1][1] == hot["pid"] and pids[0][0] == pids[0][1], (pids, hot)
+    assert f"set-up done in pid {hot['pid']}" in text  # the spare ran it, before the failure
+    with open(run_dir / "events.jsonl") as f:
+        evts = [json.loads(line) for line in f]
+    assert [e.get("in_place") for e in evts if e["event"] == "restart"] == [[0]]
+    assert _equal(torch.load(out, weights_only=True), _reference(tmp_path, 60))
+
+
+def _reference(tmp_path, steps: int) -> dict:
+    """The failure-free 2-rank run to ``steps`` (the e2e runs above stop at STEPS)."""
+    run_dir, out = tmp_path / "ref60", tmp_path / "ref60.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+         "--run-dir", str(run_dir), TRAIN, "--width", "64", "--steps", str(steps),
+         "--out", str(out)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CKPTRUN_WARM_SPARES": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)

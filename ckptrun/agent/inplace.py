@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Collection, Dict, List
+from typing import Collection, Dict, List, Optional
 
 from ckptrun.agent.events import write_json_atomic
 from ckptrun.agent.workers import Worker
@@ -54,10 +54,21 @@ def unwind(candidates: List[Worker], control: ControlBlock, target: int,
 
 
 def hand_over(run_dir: str, control: ControlBlock, local_rank: int, attempt: int,
-              env: Dict[str, str]) -> None:
+              env: Dict[str, str], record: Optional[int] = None) -> None:
     """Start a kept worker on ``attempt``: its record cleared for the attempt, the message
-    with ``env``'s changing variables written, then the go."""
+    with ``env``'s changing variables written, then the go.  ``record``: a hot spare's own
+    record, where it waits (it takes ``local_rank``'s, which is cleared for it)."""
     os.makedirs(os.path.join(run_dir, RECOVER_DIR), mode=0o700, exist_ok=True)
-    control.reset_attempt(local_rank)
-    write_json_atomic(message_path(run_dir, attempt, local_rank), message(attempt, env))
-    control.set(local_rank, "recover_go", attempt)
+    if record is None:
+        control.reset_attempt(local_rank)
+    else:
+        control.reset(local_rank)
+    where = local_rank if record is None else record
+    write_json_atomic(message_path(run_dir, attempt, where),
+                      message(attempt, env, promote=record is not None))
+    control.set(where, "recover_go", attempt)
+
+
+def hot_spare_ready(control: ControlBlock, record: int) -> bool:
+    """Whether the hot spare on ``record`` waits at its resilient function's entry."""
+    return control.get(record, "resilient") == 1 and control.get(record, "recover_go") == 0

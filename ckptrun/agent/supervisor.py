@@ -30,7 +30,7 @@ from ckptrun.agent.downtime import RecoveryClock
 from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
 from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
-from ckptrun.agent.inplace import hand_over, keepable, unwind
+from ckptrun.agent.inplace import hand_over, hot_spare_ready, keepable, unwind
 from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
 from ckptrun.agent.metrics import AgentMetrics, MetricsServer
 from ckptrun.agent.reaper import Reaper, unlink_shm
@@ -114,8 +114,9 @@ class Agent:
                 self.events.close()
                 return 2
         self.reaper = Reaper(self.token)
-        self.control = P.ControlBlock(P.control_path(self.token), self.cfg.nproc_per_node,
-                                      create=True)
+        # --hot-spares: a record per local rank after the workers' for its hot spare
+        records = self.cfg.nproc_per_node * (2 if self.cfg.hot_spares else 1)
+        self.control = P.ControlBlock(P.control_path(self.token), records, create=True)
         self.memory = NodeMemory(self.token, self.cfg.num_slots)
         self.launcher = WorkerLauncher(self.cfg, agent_base_env(self.cfg),
                                        on_spawn=self.reaper.watch, umask=self.user_umask)
@@ -223,6 +224,7 @@ class Agent:
         self.exits = []
         self.workers = []
         kept, self.kept = self.kept, {}
+        self._envs: Dict[int, Dict[str, str]] = {}
         for lr, rank in enumerate(self._ranks()):
             rank_logs = os.path.join(logs, str(lr))
             env = dict(self.launcher.base_env)
@@ -243,15 +245,23 @@ class Agent:
                 env.setdefault(P.ENV_PERSIST_TO, cfg.persist_to)
             if cfg.snapshot_every != "1":
                 env[P.ENV_EVERY] = cfg.snapshot_every
+            self._envs[lr] = env
             if lr in kept:  # goes on in its own process (its logs stay where they were)
                 os.makedirs(rank_logs, mode=0o700, exist_ok=True)  # its error file's place
                 hand_over(self.run_dir, self.control, lr, attempt, env)
                 self.workers.append(kept[lr])
                 continue
+            hot = self.launcher.take_hot(lr, rank, lambda rec: hot_spare_ready(self.control, rec))
+            if hot is not None:  # ran the script to its resilient function already
+                os.makedirs(rank_logs, mode=0o700, exist_ok=True)
+                hand_over(self.run_dir, self.control, lr, attempt, env, record=hot.record)
+                self.workers.append(Worker(lr, rank, hot.proc, True, True, pumps=hot.pumps))
+                continue
             self.control.reset(lr)
             self.workers.append(self.launcher.start(lr, rank, env, rank_logs))
         self.launcher.schedule_spares({lr: self._slot_prefix(rank)
                                        for lr, rank in enumerate(self._ranks())})
+        self._hot_due = time.monotonic() + self.launcher.spare_delay
         self._started = True
         self.clock.started()
         for tier in self.tiers:
@@ -322,6 +332,7 @@ class Agent:
         while True:
             wait_for_exit(self.workers, self.cfg.monitor_interval)
             self.launcher.tick()
+            self._tend_hot_spares()
             for tier in self.tiers:
                 tier.tick()  # the memory tier keeps the slots mapped for a fast verify
             codes = [self._status(w) for w in self.workers]
@@ -365,6 +376,38 @@ class Agent:
                 self.coord.set_rollback(attempt + 1, int(rollback["step"]))
                 return self.coord.request_restart(attempt)
             self._write_status()
+
+    def _tend_hot_spares(self) -> None:
+        """``--hot-spares``: once a worker runs its resilient function (and the group is past
+        its start-up), a spare for its rank runs the script to that point and waits."""
+        launcher = self.launcher
+        if not launcher.hot_wanted():
+            return
+        launcher.check_hot()
+        if launcher.hot_note is not None:
+            to_stderr(launcher.hot_note)
+            self.events.emit("hot_spares_off", why=launcher.hot_note)
+            launcher.hot_note = None
+            return
+        if time.monotonic() < self._hot_due:
+            return
+        nproc = self.cfg.nproc_per_node
+        for w in self.workers:
+            lr = w.local_rank
+            if w.status() is not None or not self.control.get(lr, "resilient"):
+                continue
+            if lr in launcher.hot_pending():
+                continue
+            env = dict(self._envs[lr])
+            logs = os.path.join(self._log_root(), "hot_spares", str(lr))
+            env.update({P.ENV_HOT_SPARE: str(nproc + lr), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1",  # a group made before the function fails fast
+                        P.ENV_RESTORE: '{"step": 0}',
+                        P.ENV_STACKS_FILE: os.path.join(self.run_dir, "stacks",
+                                                        f"hot-spare-local{lr}.txt"),
+                        "TORCHELASTIC_ERROR_FILE": os.path.join(logs, "error.json")})
+            self.control.reset(nproc + lr)
+            launcher.start_hot(lr, w.global_rank, env, nproc + lr, logs)
 
     def _status(self, w: Worker) -> Optional[int]:
         """``w.status()``, or exit code 1 for a worker whose script raised and is on its
@@ -490,6 +533,8 @@ class Agent:
             "failures": self.failures, "slots": slots,
             "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
             "spare_pids": self.launcher.spare_pids(),
+            "hot_spares": self.launcher.hot_status(
+                lambda rec: hot_spare_ready(self.control, rec)),
             "metrics_url": self.metrics_server.url if self.metrics_server else None,
         }
 

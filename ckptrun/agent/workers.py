@@ -130,6 +130,18 @@ class _Spare:
     pipes: Dict[str, Optional[int]]  # read ends of stdout/stderr, None when inherited
 
 
+@dataclass
+class HotSpare:
+    """A process that ran the script up to its ``@ckptrun.resilient`` function and waits
+    there (``--hot-spares``) on control record ``record``, to take ``global_rank``."""
+
+    local_rank: int
+    global_rank: int
+    record: int
+    proc: subprocess.Popen
+    pumps: List[Pump]
+
+
 def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None) -> List[str]:
     python = os.getenv("PYTHON_EXEC", sys.executable)
     argv = [python, "-u", "-m", "ckptrun.worker.bootstrap", "--go-fd", str(go_fd)]
@@ -203,6 +215,10 @@ class WorkerLauncher:
         self._retired: List[Tuple[List[Worker], List[psutil.Process]]] = []  # dying groups
         self._spare_nice = 10 if os.geteuid() == 0 else 0  # only root can un-nice at "go"
         self.numa = Binder(cfg.numa_binding)
+        # --hot-spares: {local rank: spare that ran the script to its resilient function}
+        self.hot_spares = bool(cfg.hot_spares) and self.use_spares
+        self._hot: Dict[int, HotSpare] = {}
+        self.hot_note: Optional[str] = None  # why hot spares were turned off, once
 
     # -- starting ----------------------------------------------------------------------
     def start(self, local_rank: int, global_rank: int, env: Dict[str, str],
@@ -275,7 +291,7 @@ class WorkerLauncher:
             return
         self._spares_due = None
         for lr in range(self.cfg.nproc_per_node):
-            if lr not in self._spares:
+            if lr not in self._spares and lr not in self._hot:
                 # a spare's rank is only known at "go": route as for the same local rank
                 routes = stream_routes(self.cfg, lr, lr)
                 prefix = self._spare_slots.get(lr)
@@ -304,13 +320,70 @@ class WorkerLauncher:
         kill_trees([sp.proc], grace=0.0)
 
     def spare_pids(self) -> List[int]:
-        return [sp.proc.pid for sp in self._spares.values()]
+        return ([sp.proc.pid for sp in self._spares.values()]
+                + [h.proc.pid for h in self._hot.values()])
+
+    # -- hot spares (--hot-spares) -----------------------------------------------------
+    def start_hot(self, local_rank: int, global_rank: int, env: Dict[str, str], record: int,
+                  log_dir: str) -> None:
+        """Run the script in a new process that waits at its resilient function's entry
+        (``env``: the rank's own, pointed at ``record`` and at no process group)."""
+        if local_rank in self._hot or not self.hot_spares:
+            return
+        if local_rank in self._spares:
+            self._discard(local_rank)  # the hot one replaces the warm one
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        routes = stream_routes(self.cfg, local_rank, global_rank)
+        argv = [self.cfg.script, *script_args(self.cfg, local_rank)]
+        sp = self._spawn_bootstrap(local_rank, routes, env, go=go_message(self.cfg, env, argv))
+        os.close(sp.go_fd)
+        self._hot[local_rank] = HotSpare(local_rank, global_rank, record, sp.proc,
+                                         attach_pumps(sp.pipes, routes, log_dir))
+
+    def take_hot(self, local_rank: int, global_rank: int, ready) -> Optional[HotSpare]:
+        """The hot spare for ``local_rank`` when it is ``ready(record)`` and was started for
+        ``global_rank``; None otherwise (a cold or warm start then)."""
+        hot = self._hot.get(local_rank)
+        if hot is None or hot.global_rank != global_rank or not ready(hot.record):
+            return None
+        return self._hot.pop(local_rank)
+
+    def hot_status(self, ready) -> List[dict]:
+        """The hot spares for ``status.json``: local rank, pid, and whether it waits ready."""
+        return [{"local_rank": lr, "rank": h.global_rank, "pid": h.proc.pid,
+                 "ready": bool(h.proc.poll() is None and ready(h.record))}
+                for lr, h in sorted(self._hot.items())]
+
+    def hot_wanted(self) -> bool:
+        return self.hot_spares or bool(self._hot)
+
+    def hot_pending(self) -> Dict[int, HotSpare]:
+        """{local rank: its hot spare}, ready or still running the script's start-up."""
+        return self._hot
+
+    def check_hot(self) -> None:
+        """A hot spare that exited never reached a resilient function: hot spares go off."""
+        for lr, hot in list(self._hot.items()):
+            code = hot.proc.poll()
+            if code is not None:
+                del self._hot[lr]
+                for pump in hot.pumps:
+                    pump.join(timeout=1)
+                self.hot_spares = False
+                self.hot_note = (f"a hot spare for local rank {lr} exited (code {code}) before "
+                                 "it reached a @ckptrun.resilient function: hot spares are off "
+                                 "for this job (warm spares instead)")
 
     def close(self) -> None:
         """Stop all spares and reap retired groups (end of job)."""
         self._spares_due = None
         for lr in list(self._spares):
             self._discard(lr)
+        hot, self._hot = list(self._hot.values()), {}
+        kill_trees([h.proc for h in hot], grace=0.0)
+        for h in hot:
+            for pump in h.pumps:
+                pump.join(timeout=2)
         for workers, tree in self._retired:
             drain(workers, tree)
         self._retired = []

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=os.environ.get("CKPTRUN_INSECURE", "").strip().lower() in TRUE,
                        help="run a multi-machine job without a job secret: anyone who can reach "
                        "the rendezvous store can then read and rewrite its checkpoints")
+    group.add_argument("--hot-spares", action="store_true",
+                       default=os.environ.get("CKPTRUN_HOT_SPARES", "").strip().lower() in TRUE,
+                       help="with @ckptrun.resilient: each spare runs the script up to that "
+                       "function and waits there, so a replacement skips the script's start-up "
+                       "(the code before the function runs twice: keep side effects inside it)")
     parser.add_argument("--version", action="version", version=f"ckptrun {__version__}")
     step = _slurm_step()
     if step is not None:  # under srun: the allocation gives the rendezvous (flags still win)
@@ -259,7 +264,7 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         numa_binding=getattr(ns, "numa_binding", None) or None,
         persist_to=persist_to, persist_every_steps=every_steps,
         persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
-        replicas=_count(ns.replicas, "--replicas"), hang_timeout=parse_hang_timeout(ns.hang_timeout),
+        replicas=_count(ns.replicas, "--replicas"), hot_spares=bool(ns.hot_spares), hang_timeout=parse_hang_timeout(ns.hang_timeout),
         resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
         replication_rate=parse_replication_rate(ns.replication_rate),
         replication_budget=_replication_budget(ns.replication_budget),

@@ -17,3 +17,5 @@ ENV_MAX_STATE_BYTES = "CKPTRUN_MAX_STATE_BYTES"  # shm budget for one rank's slo
 
 DEFAULT_NUM_SLOTS = 3
 ENV_EVERY = "CKPTRUN_SNAPSHOT_EVERY"  # --snapshot-every: the worker snapshots every N-th save
+ENV_HOT_SPARE = "CKPTRUN_HOT_SPARE"  # a hot spare's own control record (--hot-spares): it runs
+# the script up to its @ckptrun.resilient function and waits there to take a rank

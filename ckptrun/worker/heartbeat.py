@@ -11,6 +11,7 @@ import os
 from typing import Optional, Tuple
 
 from ckptrun.protocol import ENV_CONTROL, ENV_LOCAL_RANK, ControlBlock, Phase
+from ckptrun.protocol.env import ENV_HOT_SPARE
 from ckptrun.worker.progress import sample_progress
 
 _link: Optional[Tuple[ControlBlock, int]] = None
@@ -20,19 +21,26 @@ _looked = False
 def worker_link() -> Optional[Tuple[ControlBlock, int]]:
     """The (control block, local rank) of this worker, or None when not under ckptrun."""
     global _link, _looked
-    if _looked and (_link is None or _link[0].path == os.environ.get(ENV_CONTROL)):
+    if _looked and (_link is None or (_link[0].path == os.environ.get(ENV_CONTROL)
+                                      and str(_link[1]) == _local_rank_env())):
         return _link
     _looked = True
     path = os.environ.get(ENV_CONTROL)
     if not path:
         _link = None
         return None
-    local_rank = int(os.environ.get(ENV_LOCAL_RANK) or os.environ.get("LOCAL_RANK", "0"))
-    block = ControlBlock(path)
+    local_rank = int(_local_rank_env())
+    block = _link[0] if _link is not None and _link[0].path == path else ControlBlock(path)
     block.set(local_rank, "pid", os.getpid())
     sample_progress(block, local_rank)  # the agent tells waiting from hung by it
     _link = (block, local_rank)
     return _link
+
+
+def _local_rank_env() -> str:
+    """This worker's record: a hot spare's own until it takes a rank, then the rank's."""
+    return (os.environ.get(ENV_HOT_SPARE) or os.environ.get(ENV_LOCAL_RANK)
+            or os.environ.get("LOCAL_RANK", "0"))
 
 
 class RecoveryRequested(Exception):

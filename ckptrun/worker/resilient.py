@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
+from ckptrun.protocol.env import ENV_HOT_SPARE
 from ckptrun.protocol.recovery import message_path, read_message
 from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
 from ckptrun.worker.heartbeat import RecoveryRequested, recovery_target, worker_link
@@ -52,6 +53,7 @@ POLL_S = 0.005  # how often an unwound rank looks for the request or the go
 COMM_ERROR_WAIT_S = 10.0
 OTHER_ERROR_WAIT_S = 0.25
 GO_TIMEOUT_S = 900.0  # the agent replaces a worker that it gave up on; this is a last stop
+PARK_POLL_S = 0.01  # a hot spare waits for hours: a read of two fields every 10 ms
 
 _breaker = CollectiveBreaker()
 
@@ -69,6 +71,8 @@ def resilient(fn: Optional[F] = None) -> Any:
         link = worker_link()
         if link is None:  # plain python / torchrun: nothing to recover with
             return fn(*args, **kwargs)
+        if os.environ.get(ENV_HOT_SPARE):  # --hot-spares: wait here to take a failed rank
+            link = _park(link)
         if _group_exists():
             # a group made outside cannot be re-formed by calling the function again: this
             # rank restarts as without the decorator (rather than go on with a broken group)
@@ -159,6 +163,38 @@ def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
             block.set(local_rank, "unwound", target)
         time.sleep(WATCH_S)
     return None
+
+
+def _park(link):
+    """A hot spare at its function's entry: say so, wait for a rank (the agent writes the
+    message for this record and ``recover_go``), take its variables, link to its record."""
+    block, record = link
+    block.set(record, "resilient", 1)  # at the entry, ready
+    run_dir = os.environ.get("CKPTRUN_RUN_DIR", "")
+    while True:
+        go = block.get(record, "recover_go")
+        if go > 0:
+            break
+        time.sleep(PARK_POLL_S)
+    env = read_message(message_path(run_dir, go, record), go, promote=True)
+    if env is None or not env.get("CKPTRUN_LOCAL_RANK"):
+        raise SystemExit(f"ckptrun: hot spare: no usable message for attempt {go}")
+    for key, value in env.items():
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+    stacks = env.get("CKPTRUN_STACKS_FILE")
+    if stacks:
+        from ckptrun.worker.bootstrap import register_stack_dump
+
+        register_stack_dump(stacks)
+    new = worker_link()  # the rank's own record from now on
+    if new is None:
+        raise SystemExit("ckptrun: hot spare: no control block after the hand-over")
+    print(f"ckptrun: rank {os.environ.get('RANK', '?')}: a hot spare takes the rank in attempt "
+          f"{go}", file=sys.stderr, flush=True)
+    return new
 
 
 class _Watcher:
