@@ -20,7 +20,14 @@ from typing import List
 
 from benchmarks import Context, Row, section
 from benchmarks.limits import limit
-from ckptrun.sim import ClusterInputs, goodput, paper_reference_inputs
+from ckptrun.sim import (
+    ClusterInputs,
+    RestartCosts,
+    goodput,
+    goodput_by_mode,
+    paper_reference_inputs,
+    storage_break_even,
+)
 
 SIZES = (16, 64, 256, 1000, 4096, 10_000)
 
@@ -100,4 +107,65 @@ def projection(ctx: Context) -> List[Row]:
                  "ckptrun_ratio": ref.ckptrun.effective_ratio,
                  "storage_ratio": ref.storage_only.effective_ratio,
                  "gain": _gain(ref.ckptrun.effective_ratio, ref.storage_only.effective_ratio)})
+    return rows
+
+
+MODE_COLUMNS = [("inputs", "inputs", "str"), ("mode", "recovery", "str"),
+                ("process_failure_s", "downtime: a process dies", "s"),
+                ("machine_loss_s", "downtime: a machine is lost", "s"),
+                ("downtime_s", "mean (half of each)", "s"),
+                ("effective_ratio", "effective at 1,000 machines", "pct")]
+
+
+def restart_costs(ctx: Context) -> RestartCosts:
+    """The model's defaults, with this run's measured parts where there are any (a cold
+    ``import torch``; a dead rank's detection from the recovery section)."""
+    costs = RestartCosts()
+    cold = [r for r in ctx.rows("limits") if r.get("case") == "cold torch import"
+            and "median_s" in r]
+    if cold:
+        costs = replace(costs, process_s=float(cold[0]["median_s"]))
+    detect = [float(r["detect_s"]) for r in ctx.rows("inplace") if r.get("detect_s")]
+    if detect:
+        costs = replace(costs, detect_s=min(detect))
+    return costs
+
+
+@section("goodput_modes", "Goodput with restart costs: restart vs in-process vs standby",
+         MODE_COLUMNS,
+         note="ckptrun.sim.recovery_downtime: a recovery costs what its slowest restarted "
+              "process pays; defaults: RestartCosts (public orders of magnitude, measured "
+              "where this machine can); effective ratio with the GEMINI reference cluster")
+def modes(ctx: Context) -> List[Row]:
+    costs = restart_costs(ctx)
+    ctx.options["restart_costs"] = {k: getattr(costs, k) for k in costs.__dataclass_fields__}
+    rows: List[Row] = []
+    for label, inp in (("GEMINI reference, 1,000 machines", paper_reference_inputs()),):
+        for mode, got in goodput_by_mode(inp, costs).items():
+            rows.append({"inputs": label, "mode": mode, **got})
+    return rows
+
+
+BREAK_COLUMNS = [("machines", "machines", "int"),
+                 ("ckptrun_ratio", "ckptrun effective", "pct"),
+                 ("break_even_gb_per_s", "storage GB/s per machine to match it", "float"),
+                 ("state_gb", "state per machine (GB)", "float"),
+                 ("checkpoint_s", "storage checkpoint at that bandwidth", "s")]
+
+
+@section("storage_break_even", "When does checkpointing to scalable storage match memory?",
+         BREAK_COLUMNS,
+         note="storage whose bandwidth grows with the cluster (S3, Lustre): the bandwidth per "
+              "machine at which checkpointing only to it, as often as it allows, reaches "
+              "ckptrun's effective ratio (GEMINI reference inputs, ckptrun.sim.storage_break_even)")
+def break_even(ctx: Context) -> List[Row]:
+    rows: List[Row] = []
+    base = paper_reference_inputs()
+    for n in SIZES:
+        inp = base.with_machines(n)
+        bw = storage_break_even(inp)
+        rows.append({"machines": n, "ckptrun_ratio": goodput(inp).ckptrun.effective_ratio,
+                     "break_even_gb_per_s": bw / 1e9 if bw else None,
+                     "state_gb": inp.state_bytes / 1e9,
+                     "checkpoint_s": inp.state_bytes / bw if bw else None})
     return rows

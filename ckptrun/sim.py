@@ -240,6 +240,108 @@ def paper_reference_inputs() -> ClusterInputs:
     )
 
 
+# --------------------------------------------------------------------------- restart costs
+
+
+@dataclass(frozen=True)
+class RestartCosts:
+    """What a recovery costs besides the state itself, in seconds per failure.
+
+    Defaults: ``detect_s``, ``process_s`` as measured on this project's machine (the
+    ``recovered`` event's detection of a dead rank; a cold ``import torch``); the others are
+    public orders of magnitude, there to be overridden with a cluster's own numbers:
+    ``cuda_context_s`` 1-4 s per process; ``comm_init_s`` an NCCL communicator, tens of
+    seconds on one node and minutes at scale; ``compile_s`` ``torch.compile`` with a warm
+    cache, 5-40 s (minutes cold); ``setup_s`` the script's own start-up (tokenizer, dataset
+    index, data-loader workers); ``node_start_s`` a replacement machine (node or pod start);
+    ``partition_detect_s`` a silent machine's detection by heartbeat timeout;
+    ``transfer_s`` state a standby machine does not hold yet.
+    """
+
+    detect_s: float = 0.05
+    process_s: float = 2.5
+    cuda_context_s: float = 2.0
+    comm_init_s: float = 10.0
+    compile_s: float = 20.0
+    setup_s: float = 10.0
+    node_start_s: float = 300.0
+    partition_detect_s: float = 5.0
+    transfer_s: float = 0.0
+
+
+RECOVERY_MODES = ("restart (cold)", "restart + warm spares", "in-process",
+                  "in-process + hot spares", "standby machine")
+
+
+def recovery_downtime(costs: RestartCosts, mode: str, machine_lost: bool = False
+                      ) -> Dict[str, float]:
+    """The downtime of one failure under ``mode`` (one of :data:`RECOVERY_MODES`), by part.
+
+    Ranks restart in parallel, so a recovery costs what the slowest restarted process pays,
+    and the group waits for its replacement whatever the survivors do: in-process recovery
+    on its own saves the survivors' work, not the downtime -- the replacement still starts.
+    What shortens it is a replacement that has paid its start-up already (a warm spare: the
+    interpreter and torch; a hot spare: the script's start-up too, and a CUDA context if the
+    start-up made one) and, for a lost machine, one that is already up (a standby machine).
+    Every mode re-forms the communicator (``comm_init_s``) and the replacement compiles.
+    """
+    if mode not in RECOVERY_MODES:
+        raise ValueError(f"unknown recovery mode {mode!r}; one of {', '.join(RECOVERY_MODES)}")
+    c = costs
+    parts: Dict[str, float] = {"detect": c.partition_detect_s if machine_lost else c.detect_s}
+    if machine_lost and mode != "standby machine":
+        parts["machine"] = c.node_start_s  # a new machine comes up first
+    if mode == "restart (cold)" or (machine_lost and mode != "standby machine"):
+        parts["process"] = c.process_s  # a new machine has no warm spares yet
+    if mode in ("restart (cold)", "restart + warm spares", "in-process") or (
+            machine_lost and mode != "standby machine"):
+        parts["cuda"] = c.cuda_context_s
+        parts["setup"] = c.setup_s
+    if mode == "standby machine":
+        parts["transfer"] = c.transfer_s
+    parts["comm_init"] = c.comm_init_s
+    parts["compile"] = c.compile_s
+    return parts
+
+
+def goodput_by_mode(inp: ClusterInputs, costs: RestartCosts,
+                    machine_loss_share: float = 0.5) -> Dict[str, Dict[str, float]]:
+    """For each recovery mode: the mean downtime per failure (``machine_loss_share`` of the
+    failures lose their machine, the others one process) and ckptrun's effective training
+    time ratio with it as the restart overhead."""
+    out: Dict[str, Dict[str, float]] = {}
+    for mode in RECOVERY_MODES:
+        proc = sum(recovery_downtime(costs, mode, machine_lost=False).values())
+        mach = sum(recovery_downtime(costs, mode, machine_lost=True).values())
+        down = (1.0 - machine_loss_share) * proc + machine_loss_share * mach
+        res = ckptrun_policy(replace(inp, restart_s=down))
+        out[mode] = {"process_failure_s": proc, "machine_loss_s": mach, "downtime_s": down,
+                     "effective_ratio": res.effective_ratio}
+    return out
+
+
+def storage_break_even(inp: ClusterInputs, hi_bytes_per_s: float = 1e12) -> Optional[float]:
+    """The storage bandwidth *per machine* (a store that grows with the cluster) at which
+    checkpointing only to storage, as often as it allows, reaches ckptrun's effective
+    ratio; None when even ``hi_bytes_per_s`` does not."""
+    target = ckptrun_policy(inp).effective_ratio
+
+    def ratio(bw: float) -> float:
+        return storage_only(replace(inp, storage_shared=False, storage_bytes_per_s=bw)
+                            ).effective_ratio
+
+    if ratio(hi_bytes_per_s) < target:
+        return None
+    lo, hi = 1e3, hi_bytes_per_s
+    for _ in range(80):  # bisection on a log scale: monotone in the bandwidth
+        mid = math.sqrt(lo * hi)
+        if ratio(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 # --------------------------------------------------------------------------- Monte Carlo
 
 

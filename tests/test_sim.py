@@ -100,3 +100,48 @@ def test_stalls_cost_throughput():
     assert fast.overhead_fraction == 0.0
     assert slow.overhead_fraction == pytest.approx(0.5)
     assert slow.effective_ratio == pytest.approx(fast.effective_ratio * 0.5, rel=1e-9)
+
+
+def test_restart_costs_by_mode_say_where_a_recovery_saves_time():
+    from ckptrun.sim import RECOVERY_MODES, RestartCosts, recovery_downtime
+
+    c = RestartCosts(detect_s=1, process_s=2, cuda_context_s=3, comm_init_s=5, compile_s=7,
+                     setup_s=11, node_start_s=100, partition_detect_s=13, transfer_s=17)
+    total = {m: sum(recovery_downtime(c, m).values()) for m in RECOVERY_MODES}
+    assert total["restart (cold)"] == 1 + 2 + 3 + 11 + 5 + 7
+    assert total["restart + warm spares"] == total["restart (cold)"] - 2  # no interpreter
+    # the group waits for its replacement: keeping the survivors alone saves no downtime
+    assert total["in-process"] == total["restart + warm spares"]
+    assert total["in-process + hot spares"] == 1 + 5 + 7  # the start-up was paid ahead
+    lost = {m: sum(recovery_downtime(c, m, machine_lost=True).values()) for m in RECOVERY_MODES}
+    assert lost["standby machine"] == 13 + 17 + 5 + 7  # no machine to bring up
+    assert all(lost[m] == 13 + 100 + 2 + 3 + 11 + 5 + 7 for m in RECOVERY_MODES[:-1])
+    with pytest.raises(ValueError, match="unknown recovery mode"):
+        recovery_downtime(c, "reboot")
+
+
+def test_goodput_by_mode_orders_the_modes_and_break_even_bandwidth_is_a_boundary():
+    from dataclasses import replace
+
+    from ckptrun.sim import (
+        RestartCosts,
+        ckptrun_policy,
+        goodput_by_mode,
+        storage_break_even,
+        storage_only,
+    )
+
+    inp = paper_reference_inputs()
+    got = goodput_by_mode(inp, RestartCosts())
+    ratios = [got[m]["effective_ratio"] for m in ("restart (cold)", "in-process + hot spares",
+                                                  "standby machine")]
+    assert ratios == sorted(ratios) and ratios[0] < ratios[-1]
+    bw = storage_break_even(inp)
+    assert bw is not None
+    target = ckptrun_policy(inp).effective_ratio
+
+    def at(b):
+        return storage_only(replace(inp, storage_shared=False, storage_bytes_per_s=b)
+                            ).effective_ratio
+    assert at(bw) >= target > at(bw * 0.9)
+    assert storage_break_even(inp, hi_bytes_per_s=1e6) is None  # not even 1 MB/s a machine
