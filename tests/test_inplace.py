@@ -228,19 +228,20 @@ def test_a_group_made_outside_the_function_keeps_the_restart(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.spares
 def test_a_hot_spare_takes_the_failed_rank_without_the_scripts_start_up(tmp_path):
     """``--hot-spares``: a spare runs the script's start-up (2 s here, outside the resilient
     function) and waits at the function; the failed rank's replacement is that process."""
     run_dir, out = tmp_path / "hot", tmp_path / "hot.pt"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
-         "--hot-spares", "--run-dir", str(run_dir), TRAIN, "--width", "64", "--steps", "60",
+         "--hot-spares", "--run-dir", str(run_dir), TRAIN, "--width", "64", "--steps", "120",
          "--step-time", "0.25", "--setup-s", "2", "--in-place", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "CKPTRUN_SPARE_DELAY": "0"})
     try:
         deadline, hot, victim = time.monotonic() + 120, None, None
-        while time.monotonic() < deadline and hot is None:
+        while time.monotonic() < deadline and hot is None and proc.poll() is None:
             time.sleep(0.2)
             try:
                 st = json.loads((run_dir / "status.json").read_text())
@@ -265,12 +266,12 @@ def test_a_hot_spare_takes_the_failed_rank_without_the_scripts_start_up(tmp_path
     with open(run_dir / "events.jsonl") as f:
         evts = [json.loads(line) for line in f]
     assert [e.get("in_place") for e in evts if e["event"] == "restart"] == [[0]]
-    assert _equal(torch.load(out, weights_only=True), _reference(tmp_path, 60))
+    assert _equal(torch.load(out, weights_only=True), _reference(tmp_path, 120))
 
 
 def _reference(tmp_path, steps: int) -> dict:
-    """The failure-free 2-rank run to ``steps`` (the e2e runs above stop at STEPS)."""
-    run_dir, out = tmp_path / "ref60", tmp_path / "ref60.pt"
+    """The failure-free 2-rank run to ``steps`` (the runs above stop at STEPS)."""
+    run_dir, out = tmp_path / f"ref{steps}", tmp_path / f"ref{steps}.pt"
     proc = subprocess.run(
         [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
          "--run-dir", str(run_dir), TRAIN, "--width", "64", "--steps", str(steps),

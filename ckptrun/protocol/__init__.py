@@ -25,6 +25,7 @@ from ckptrun.protocol.env import (
     DEFAULT_NUM_SLOTS,
     ENV_CONTROL,
     ENV_EVERY,
+    ENV_HOT_SPARE,
     ENV_LOCAL_RANK,
     ENV_MAX_STATE_BYTES,
     ENV_NUM_SLOTS,
@@ -59,7 +60,7 @@ from ckptrun.protocol.slot_file import (
 
 __all__ = [
     "CONTROL_HEADER_SIZE", "CONTROL_MAGIC", "RECORD_SIZE", "ControlBlock", "Phase",
-    "DEFAULT_NUM_SLOTS", "ENV_CONTROL", "ENV_EVERY", "ENV_LOCAL_RANK", "ENV_MAX_STATE_BYTES", "ENV_NUM_SLOTS",
+    "DEFAULT_NUM_SLOTS", "ENV_CONTROL", "ENV_EVERY", "ENV_HOT_SPARE", "ENV_LOCAL_RANK", "ENV_MAX_STATE_BYTES", "ENV_NUM_SLOTS",
     "ENV_PERSIST_TO", "ENV_RESTORE", "ENV_RUN_DIR", "ENV_SLOT_PREFIX", "ENV_STACKS_FILE",
     "SHM_DIR", "SHM_PREFIX", "ShmMaps", "control_path", "create_shm_file", "open_private", "open_shm_file",
     "rank_slot_prefix", "slot_path",
