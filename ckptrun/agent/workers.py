@@ -142,10 +142,12 @@ class HotSpare:
     pumps: List[Pump]
 
 
-def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None) -> List[str]:
+def _bootstrap_argv(go_fd: int, nice: int = 0, slots: Optional[tuple] = None,
+                    warm: bool = False) -> List[str]:
     python = os.getenv("PYTHON_EXEC", sys.executable)
     argv = [python, "-u", "-m", "ckptrun.worker.bootstrap", "--go-fd", str(go_fd)]
     argv += ["--nice", str(nice)] if nice else []
+    argv += ["--warm"] if warm else []  # a hot spare: warmed up although its go is there
     return argv + (["--slots", slots[0], str(slots[1])] if slots else [])
 
 
@@ -254,13 +256,14 @@ class WorkerLauncher:
 
     def _spawn_bootstrap(self, local_rank: int, routes: Dict[str, StreamRoute],
                          env: Dict[str, str], nice: int = 0,
-                         slots: Optional[tuple] = None, go: Optional[bytes] = None) -> _Spare:
+                         slots: Optional[tuple] = None, go: Optional[bytes] = None,
+                         warm: bool = False) -> _Spare:
         rfd, wfd = os.pipe()
         early = go is not None and len(go) < 65536  # fits the pipe: no reader needed yet
         if early:
             os.write(wfd, go)
         try:
-            proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots), env, routes,
+            proc, reads = _spawn(_bootstrap_argv(rfd, nice, slots, warm), env, routes,
                                  pass_fds=(rfd,), umask=self.umask,
                                  cpus=self.numa.cpus(local_rank))
         finally:
@@ -335,7 +338,8 @@ class WorkerLauncher:
         os.makedirs(log_dir, mode=0o700, exist_ok=True)
         routes = stream_routes(self.cfg, local_rank, global_rank)
         argv = [self.cfg.script, *script_args(self.cfg, local_rank)]
-        sp = self._spawn_bootstrap(local_rank, routes, env, go=go_message(self.cfg, env, argv))
+        sp = self._spawn_bootstrap(local_rank, routes, env, go=go_message(self.cfg, env, argv),
+                                   warm=True)
         os.close(sp.go_fd)
         self._hot[local_rank] = HotSpare(local_rank, global_rank, record, sp.proc,
                                          attach_pumps(sp.pipes, routes, log_dir))

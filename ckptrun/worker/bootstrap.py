@@ -60,16 +60,17 @@ def _read_go(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _warm_up(go_fd: int) -> None:
+def _warm_up(go_fd: int, force: bool = False) -> None:
     """Import torch and, for a spare, run the code paths every training script hits first.
 
     A cold start (the "go" message is already waiting) skips the optimizer warm-up: the
-    script pays for what it uses, exactly as under torchrun, no more.
+    script pays for what it uses, exactly as under torchrun, no more.  ``force``: a hot
+    spare (its "go" is waiting too, but it has time before it is needed).
     """
     import gc
     import select
 
-    if select.select([go_fd], [], [], 0)[0]:
+    if not force and select.select([go_fd], [], [], 0)[0]:
         # A cold start imports nothing: the script meets a fresh interpreter, as under
         # ``python script.py`` -- environment it sets before ``import torch`` (thread
         # counts, allocator settings) applies, and a module it shadows is its own.
@@ -77,6 +78,11 @@ def _warm_up(go_fd: int) -> None:
     import torch
     import torch.distributed  # noqa: F401  (process groups, DDP)
     import torch.nn  # noqa: F401
+
+    try:  # DDP's first constructor imports it (~2.7 s here), as does torch.compile
+        import torch._dynamo  # noqa: F401
+    except Exception:
+        pass
 
     p = torch.nn.Parameter(torch.zeros(4))
     for opt_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
@@ -229,7 +235,7 @@ def main() -> None:
     if "--slots" in args:
         i = args.index("--slots")
         slots = (args[i + 1], int(args[i + 2]))
-    _warm_up(go_fd)
+    _warm_up(go_fd, force="--warm" in args)
     _wait_for_go(go_fd, slots)
     raw = _read_go(go_fd)
     if not raw:
