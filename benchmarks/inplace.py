@@ -8,8 +8,9 @@ The recovery job (``benchmarks/jobs/recovery_job.py``, 2 ranks, gloo) in three f
   (simulated with a sleep: the cost a restarted process pays again, whatever it is made of);
 * ``torch.compile``: the DDP model compiled at its first step (real compilation).
 
-Each is run three ways: ckptrun with ``@ckptrun.resilient`` (``--in-place``: the rank that
-did not fail keeps its process), ckptrun restarting both ranks, and torchrun +
+Each is run four ways: ckptrun with ``@ckptrun.resilient`` (``--in-place``: the rank that
+did not fail keeps its process) with ``--hot-spares`` (the replacement ran the script's
+start-up already) and without (a warm spare), ckptrun restarting both ranks, and torchrun +
 ``torch.save`` every 10 steps.  Rank 1 is SIGKILLed inside a step; the time is failure
 -> every rank completed its first step after the restore (measured from the script's own
 logs, as in the recovery section), plus the phases of ckptrun's ``recovered`` event.
@@ -19,10 +20,12 @@ restore and first step -- and no recompilation on a survivor.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
 import tempfile
+import time
 from typing import Dict, List
 
 from benchmarks import Context, Row, section
@@ -34,8 +37,10 @@ SETUP_S = 5.0
 
 FORMS = {"plain": [], f"set-up {SETUP_S:.0f} s": ["--setup-s", str(SETUP_S)],
          "torch.compile": ["--compile"]}
-MODES = {"ckptrun in-place": ("ckptrun", ["--in-place"]), "ckptrun restart": ("ckptrun", []),
+MODES = {"ckptrun in-place + hot spares": ("ckptrun", ["--in-place"]),
+         "ckptrun in-place": ("ckptrun", ["--in-place"]), "ckptrun restart": ("ckptrun", []),
          "torchrun + torch.save/10": ("torchrun", [])}
+HOT = "ckptrun in-place + hot spares"
 
 COLUMNS = [("form", "job", "str"), ("mode", "recovery", "str"), ("bytes", "state/rank", "bytes"),
            ("median_s", "failure → first step (median)", "s"), ("min_s", "min", "s"),
@@ -54,7 +59,30 @@ def _launch(form: List[str], mode: str, mb: int, work: str) -> Launch:
            "--kill-at", str(KILL_AT), *form, *extra]
     if launcher == "torchrun":
         return Launch("torchrun", job, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    return Launch("ckptrun", job, env={"CKPTRUN_SPARE_DELAY": "0"})
+    return Launch("ckptrun", job, launcher_args=["--hot-spares"] if mode == HOT else [],
+                  env={"CKPTRUN_SPARE_DELAY": "0"})
+
+
+class HotTrigger(FailTrigger):
+    """Fails the job once its hot spares wait ready (``status.json``), as they do in any
+    job that ran for more than a minute."""
+
+    def __call__(self, log_dir: str) -> bool:
+        if self.fired_at is not None or self.training_since is None:
+            return super().__call__(log_dir)  # not training yet, or done
+        if time.monotonic() - self.training_since >= self.min_train_s:
+            try:
+                with open(os.path.join(self.work, "run", "status.json")) as f:
+                    hot = json.load(f).get("hot_spares") or []
+            except (OSError, ValueError):
+                hot = []
+            waited = time.monotonic() - self.training_since
+            if not (len(hot) >= 2 and all(h["ready"] for h in hot)) and waited < self.max_wait_s:
+                return False
+            self.warm = bool(hot) and all(h["ready"] for h in hot)
+            open(os.path.join(self.work, "fail"), "w").close()
+            self.fired_at = time.monotonic()
+        return False
 
 
 def _phases(events: List[dict]) -> Dict[str, float]:
@@ -76,7 +104,7 @@ def inplace(ctx: Context) -> List[Row]:
     def one(rnd: int, name: str) -> Dict[str, object]:
         form, mode = name.split(" | ")
         work = tempfile.mkdtemp(prefix=f"r{rnd}-", dir=root)
-        trigger = FailTrigger(work, MODES[mode][0], 2.0, 60.0)
+        trigger = (HotTrigger if mode == HOT else FailTrigger)(work, MODES[mode][0], 2.0, 60.0)
         out = launch(_launch(FORMS[form], mode, mb, work), work, timeout_s=240.0,
                      stop_when=trigger)
         sample = measure(out, hang=False)
@@ -84,6 +112,8 @@ def inplace(ctx: Context) -> List[Row]:
         sample.update(_phases(out.events))
         in_place = [e.get("in_place") for e in out.events if e.get("event") == "restart"]
         sample["kept"] = in_place[0] if in_place else None
+        if trigger.warm is not None:
+            sample["spares_ready"] = trigger.warm
         shutil.rmtree(work, ignore_errors=True)
         return sample
 
@@ -106,8 +136,12 @@ def inplace(ctx: Context) -> List[Row]:
                 vals = [float(s[key]) for s in good if key in s]
                 if vals:
                     row[key] = statistics.median(vals)
-            if mode == "ckptrun in-place" and not all(s.get("kept") == [0] for s in good):
+            if mode.startswith("ckptrun in-place") and not all(s.get("kept") == [0]
+                                                                for s in good):
                 notes.append("rank 0 was not always kept: " + str([s.get("kept") for s in good]))
+            cold = sum(1 for s in good if s.get("spares_ready") is False)
+            if cold:
+                notes.append(f"{cold} run(s) failed before the spares were ready")
         row["note"] = "; ".join(notes)
         rows.append(row)
     for form in FORMS:

@@ -139,6 +139,14 @@ def test_table(tmp_path):
         assert text in out, text
 
 
+def test_hot_spares_are_shown(tmp_path):
+    st = {**_status(), "hot_spares": [{"local_rank": 0, "rank": 0, "pid": 7, "ready": True},
+                                      {"local_rank": 1, "rank": 1, "pid": 8, "ready": False}]}
+    result = CliRunner().invoke(status_command, ["--run-dir", _make_run(tmp_path / "r", st, [])])
+    assert result.exit_code == 0, result.output
+    assert "hot spares: 1 ready (ranks 0), 1 still starting" in result.output
+
+
 def _peer_checkpoint(now):
     return {"memory_step": 41, "peer_step": 39, "persisted_step": 30,
             "persisted_url": "/tmp/ck/step-30", "replica_peers": [1, 2],

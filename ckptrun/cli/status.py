@@ -238,6 +238,13 @@ def render(st: Dict[str, Any], now: Optional[float] = None):
                         _fmt(w.get("pid")), _fmt(w.get("state")), _fmt(w.get("step")),
                         _age(w.get("heartbeat_age_s")))
     parts.append(workers)
+    hot = st.get("hot_spares") or []
+    if hot:  # --hot-spares: which ranks have a replacement waiting at the resilient function
+        ready = sorted(h["rank"] for h in hot if h.get("ready"))
+        rest = len(hot) - len(ready)
+        parts.append(Text(f"hot spares: {len(ready)} ready" + (
+            f" (ranks {', '.join(map(str, ready))})" if ready else "") + (
+            f", {rest} still starting" if rest else "")))
     ck = st["checkpoint"]
     tiers = Table(title="checkpoint", title_justify="left")
     tiers.add_column("tier")
