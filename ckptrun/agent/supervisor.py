@@ -101,6 +101,7 @@ class Agent:
         self.metrics: Optional[AgentMetrics] = None
         self.metrics_server: Optional[MetricsServer] = None
         self.kept: Dict[int, Worker] = {}  # local rank -> worker recovering in place
+        self._retired_early: set = set()  # pids retired before the survivors unwound
         self._hung: List[int] = []  # local ranks the last hang verdict named
 
     def run(self) -> int:
@@ -197,7 +198,17 @@ class Agent:
         attempt ``target`` (``ckptrun.agent.inplace``); the rest are restarted."""
         hung, self._hung = self._hung, []
         candidates = keepable(self.workers, self.control, self.epoch.attempt, hung)
-        return unwind(candidates, self.control, target) if candidates else {}
+        if not candidates:
+            return {}
+        # the others (dead, hung, not resilient) go first: a survivor's collective with a
+        # stopped rank -- one a stack dump's SIGCONT woke -- then fails at once, and its
+        # group's teardown does not wait for that rank
+        going = [w for w in self.workers if w not in candidates]
+        if going:
+            self._await_copies()
+            self.launcher.retire(going)
+            self._retired_early = {w.pid for w in going}
+        return unwind(candidates, self.control, target)
 
     def _ranks(self) -> List[int]:
         base = self.info.group_rank * self.cfg.nproc_per_node
@@ -281,7 +292,8 @@ class Agent:
         """A restart SIGKILLs once no snapshot copy is under way (snapshots are in agent memory;
         survivors sit in a collective where no handler runs); a final stop SIGTERMs first."""
         kept = set(self.kept)
-        going = [w for w in self.workers if w.local_rank not in kept]
+        early, self._retired_early = self._retired_early, set()
+        going = [w for w in self.workers if w.local_rank not in kept and w.pid not in early]
         if restart:
             self._await_copies()
             self.launcher.retire(going)

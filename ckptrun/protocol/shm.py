@@ -117,6 +117,14 @@ class ShmMaps:
         old = self._maps.pop(path, None)
         return old[1] if old is not None and self._current(path, old[0]) else None
 
+    def put(self, path: str, mm: mmap.mmap) -> None:
+        """Keep ``mm``, a map of the file at ``path`` now, for a later :meth:`take`."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        self._maps[path] = ((st.st_ino, st.st_size), mm)
+
     def items(self) -> Iterator[Tuple[str, mmap.mmap]]:
         return ((p, mm) for p, (_, mm) in list(self._maps.items()))
 

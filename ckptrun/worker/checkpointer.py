@@ -311,6 +311,7 @@ class Checkpointer:
             handle.remove()
         self._hooked.clear()
         self._copier.stop()
+        self._slots.hand_back()  # the next attempt's Checkpointer maps the same slots
         self._closed = True
         _live.discard(self)
 

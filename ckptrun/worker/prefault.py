@@ -61,9 +61,10 @@ def _available_bytes() -> int:
     return 0
 
 
-def reserve(state_bytes: int) -> int:
+def reserve(state_bytes: int, stop=None) -> int:
     """Fault in heap memory for a worker that will restore ``state_bytes`` of state;
-    returns the bytes reserved (0: nothing done).  Once per process."""
+    returns the bytes reserved (0: nothing done).  Once per process.  ``stop``: a callable
+    asked between blocks; True ends the reservation there (the worker is needed now)."""
     global _active
     if _active or state_bytes <= 0 or os.environ.get(ENV_PREFAULT, "1") == "0":
         return 0
@@ -81,6 +82,8 @@ def reserve(state_bytes: int) -> int:
     _active = True
     blocks = []
     while len(blocks) * _BLOCK < want:
+        if stop is not None and stop():
+            break
         p = libc.malloc(_BLOCK)
         if not p:
             break
