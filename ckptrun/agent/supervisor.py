@@ -349,6 +349,9 @@ class Agent:
                 tier.tick()  # the memory tier keeps the slots mapped for a fast verify
             codes = [self._status(w) for w in self.workers]
             failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
+            fatal = self._fatal()
+            if fatal is not None:  # before the exit it causes: a restart cannot fix it
+                return fatal
             if failed:
                 self._note_restored([self.control.record(w.local_rank) for w in self.workers])
                 seen = []
@@ -421,6 +424,17 @@ class Agent:
             self.control.reset(nproc + lr)
             launcher.start_hot(lr, w.global_rank, env, nproc + lr, logs)
 
+    def _fatal(self) -> Optional[Epoch]:
+        """A worker that hit a configuration error a restart cannot fix (``fatal``): the job
+        stops with exit code 2."""
+        for w in self.workers:
+            fatal = self.control.get(w.local_rank, "fatal")
+            if fatal:
+                self.events.emit("worker_failed", rank=w.global_rank, exit_code=2, fatal=fatal)
+                self._fail(w, event="fatal", fatal=fatal)
+                return self.coord.report_fatal(self.epoch.attempt)
+        return None
+
     def _status(self, w: Worker) -> Optional[int]:
         """``w.status()``, or exit code 1 for a worker whose script raised and is on its
         way out (its traceback printed; the interpreter's teardown may take seconds)."""
@@ -433,11 +447,6 @@ class Agent:
         now, restored = time.monotonic(), []
         for w, code in zip(self.workers, codes):
             rec = self.control.record(w.local_rank)
-            if rec["fatal"]:
-                self.events.emit("worker_failed", rank=w.global_rank, exit_code=2,
-                                 fatal=rec["fatal"])
-                self._fail(w, event="fatal", fatal=rec["fatal"])
-                return self.coord.report_fatal(self.epoch.attempt)
             restored.append(rec)
             self._note_interval(w, rec)
             if code is not None:
