@@ -262,7 +262,7 @@ class Agent:
                 hand_over(self.run_dir, self.control, lr, attempt, env)
                 self.workers.append(kept[lr])
                 continue
-            hot = self.launcher.take_hot(lr, rank, lambda rec: hot_spare_ready(self.control, rec))
+            hot = self.launcher.take_hot(lr, rank, self._hot_ready)
             if hot is not None:  # ran the script to its resilient function already
                 os.makedirs(rank_logs, mode=0o700, exist_ok=True)
                 hand_over(self.run_dir, self.control, lr, attempt, env, record=hot.record)
@@ -424,6 +424,9 @@ class Agent:
             self.control.reset(nproc + lr)
             launcher.start_hot(lr, w.global_rank, env, nproc + lr, logs)
 
+    def _hot_ready(self, record: int) -> bool:
+        return hot_spare_ready(self.control, record)
+
     def _fatal(self) -> Optional[Epoch]:
         """A worker that hit a configuration error a restart cannot fix (``fatal``): the job
         stops with exit code 2."""
@@ -554,8 +557,7 @@ class Agent:
             "failures": self.failures, "slots": slots,
             "hang_timeout_s": self.hang.current_timeout(), "restore": self.restore,
             "spare_pids": self.launcher.spare_pids(),
-            "hot_spares": self.launcher.hot_status(
-                lambda rec: hot_spare_ready(self.control, rec)),
+            "hot_spares": self.launcher.hot_status(self._hot_ready),
             "metrics_url": self.metrics_server.url if self.metrics_server else None,
         }
 

@@ -83,7 +83,6 @@ def resilient(fn: Optional[F] = None) -> Any:
             return fn(*args, **kwargs)
         return _run(fn, args, kwargs, link)
 
-    wrapper.__ckptrun_resilient__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -112,7 +111,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, link) -> Any:
         # failed attempt built (~10 ms instead of ~0.3 s with torch.compile's modules loaded)
         gc.freeze()
         block.set(local_rank, "resilient", attempt + 1)
-        watcher = _Watcher(block, local_rank, attempt)
+        watcher = _Watcher(block, local_rank)
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:
@@ -134,12 +133,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, link) -> Any:
             block.set(local_rank, "resilient", 0)
             raise RuntimeError(f"ckptrun: no usable recovery message for attempt {target} "
                                f"(unwound after {what})")
-        os.environ.update(env)
-        stacks = env.get("CKPTRUN_STACKS_FILE")
-        if stacks:
-            from ckptrun.worker.bootstrap import register_stack_dump
-
-            register_stack_dump(stacks)
+        _apply(env)
         print(f"ckptrun: rank {os.environ.get('RANK', '?')}: recovering in place into attempt "
               f"{_attempt()} (unwound on {what[:120]})", file=sys.stderr, flush=True)
 
@@ -174,8 +168,23 @@ def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
         if later > target:  # another failure before the go: that attempt, same process
             target = later
             block.set(local_rank, "unwound", target)
-        time.sleep(WATCH_S)
+        time.sleep(POLL_S)
     return None
+
+
+def _apply(env: dict) -> None:
+    """Take a hand-over message's variables (an empty value unsets one) and dump stacks
+    into the new attempt's file from now on."""
+    for key, value in env.items():
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+    stacks = env.get("CKPTRUN_STACKS_FILE")
+    if stacks:
+        from ckptrun.worker.bootstrap import register_stack_dump
+
+        register_stack_dump(stacks)
 
 
 def _park(link):
@@ -201,16 +210,7 @@ def _park(link):
     env = read_message(message_path(run_dir, go, record), go, promote=True)
     if env is None or not env.get("CKPTRUN_LOCAL_RANK"):
         raise SystemExit(f"ckptrun: hot spare: no usable message for attempt {go}")
-    for key, value in env.items():
-        if value:
-            os.environ[key] = value
-        else:
-            os.environ.pop(key, None)
-    stacks = env.get("CKPTRUN_STACKS_FILE")
-    if stacks:
-        from ckptrun.worker.bootstrap import register_stack_dump
-
-        register_stack_dump(stacks)
+    _apply(env)
     new = worker_link()  # the rank's own record from now on
     if new is None:
         raise SystemExit("ckptrun: hot spare: no control block after the hand-over")
@@ -223,9 +223,8 @@ class _Watcher:
     """A thread that reads the agent's request; on one, it breaks the collectives so that
     the function unwinds wherever it waits."""
 
-    def __init__(self, block, local_rank: int, attempt: int):
-        self.block, self.local_rank, self.attempt = block, local_rank, attempt
-        self.target: Optional[int] = None
+    def __init__(self, block, local_rank: int):
+        self.block, self.local_rank = block, local_rank
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ckptrun-recovery",
                                         daemon=True)
@@ -233,9 +232,7 @@ class _Watcher:
 
     def _loop(self) -> None:
         while not self._stop.wait(WATCH_S):
-            target = recovery_target(self.block, self.local_rank)
-            if target is not None:
-                self.target = target
+            if recovery_target(self.block, self.local_rank) is not None:
                 _breaker.break_all()
                 return
 
