@@ -22,12 +22,21 @@ dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, w
 t = torch.ones(1 << 16)
 dist.all_reduce(t)  # connected
 broken_at = [0.0]
+_out = threading.Lock()
+
+
+def emit(record: dict) -> None:
+    """One JSON line per record: print() writes the text and its newline separately, so the
+    break thread's line and the main thread's could share a line."""
+    with _out:
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
 
 
 def brk() -> None:
     time.sleep(0.5)
     broken_at[0] = time.time()
-    print(json.dumps({"rank": rank, "shut": breaker.break_all()}), flush=True)
+    emit({"rank": rank, "shut": breaker.break_all()})
 
 
 if rank == 0:
@@ -37,9 +46,8 @@ else:
 t0 = time.time()
 try:
     dist.all_reduce(t)
-    print(json.dumps({"rank": rank, "raised": False}), flush=True)
+    emit({"rank": rank, "raised": False})
 except Exception as exc:
-    print(json.dumps({"rank": rank, "raised": True, "after_s": time.time() - t0,
-                      "error": str(exc)[:120]}), flush=True)
-print(json.dumps({"rank": rank, "destroyed": destroy_groups(10.0)}), flush=True)
+    emit({"rank": rank, "raised": True, "after_s": time.time() - t0, "error": str(exc)[:120]})
+emit({"rank": rank, "destroyed": destroy_groups(10.0)})
 os._exit(0)
