@@ -98,6 +98,15 @@ def _status(run_dir) -> dict:
         return {}
 
 
+def test_a_killed_rank_is_the_cause_not_the_peer_whose_collective_broke():
+    """Rank 1 SIGKILLed, rank 0 raising from its broken all-reduce (or gloo's SIGABRT) in the
+    same poll: the restart's cause is the signal; an exit alone is still an exit."""
+    from ckptrun.agent.supervisor import primary_first
+    got = primary_first([("r0", 1), ("r1", -9), ("r2", -6), ("r3", -11)])
+    assert [w for w, _ in got] == ["r1", "r3", "r0", "r2"]
+    assert primary_first([("r0", 1), ("r1", -6)]) == [("r0", 1), ("r1", -6)]
+
+
 @pytest.mark.slow
 def test_a_job_with_a_failure_is_scraped_while_it_runs(tmp_path):
     """Rank 1 killed after step 6: a scrape after the recovery shows the restart, the

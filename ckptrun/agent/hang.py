@@ -190,9 +190,14 @@ def dump_stacks(targets: List[Tuple[int, bool, str, str]], wait: float = 1.0) ->
     (its faulthandler writes all threads' stacks into ``faulthandler_file``) followed by
     SIGCONT, so a stopped process runs the handler too.  All signals go out before the
     wait, so dumping N workers costs one wait, not N.
+
+    A worker that was stopped is stopped again once its stacks are out: the verdict was
+    made on a stopped rank, and the restart that follows must find it so.  Left running, it
+    and its peers train on while the agent stops the group, and a short job may even end
+    before the survivors are asked to recover in place.
     """
     done: List[str] = []
-    pending: List[Tuple[str, str, int]] = []
+    pending: List[Tuple[str, str, int, int, bool]] = []
     for pid, has_fh, fh_file, out in targets:
         text = _py_spy(pid)
         if text:
@@ -201,26 +206,49 @@ def dump_stacks(targets: List[Tuple[int, bool, str, str]], wait: float = 1.0) ->
             continue
         if not has_fh:
             continue
-        before = _size(fh_file)
+        before, was_stopped = _size(fh_file), _stopped(pid)
         try:
             os.kill(pid, signal.SIGUSR1)
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             continue
-        pending.append((fh_file, out, before))
+        pending.append((fh_file, out, before, pid, was_stopped))
     deadline = time.monotonic() + wait
-    while pending and time.monotonic() < deadline:
-        if all(_size(f) > b for f, _, b in pending):
-            time.sleep(0.05)  # the handler writes thread by thread: let it finish
-            break
+    waiting = list(pending)
+    while waiting and time.monotonic() < deadline:
         time.sleep(0.02)
-    for fh_file, out, before in pending:
+        written = [t for t in waiting if _size(t[0]) > t[2]]
+        if written:
+            time.sleep(0.05)  # the handler writes thread by thread: let it finish
+            _stop_again(written)
+            waiting = [t for t in waiting if t not in written]
+    _stop_again(waiting)
+    for fh_file, out, before, _, _ in pending:
         if _size(fh_file) > before:
             if os.path.abspath(fh_file) != os.path.abspath(out):
                 with open(fh_file) as f:
                     _write(out, f.read())
             done.append(out)
     return done
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state T in ``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] == b"T"
+    except (OSError, ValueError):
+        return False
+
+
+def _stop_again(pending: List[Tuple[str, str, int, int, bool]]) -> None:
+    for _, _, _, pid, was_stopped in pending:
+        if was_stopped:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
 
 
 def _write(path: str, text: str) -> None:

@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ckptrun import protocol as P
 from ckptrun.agent.downtime import RecoveryClock
@@ -348,7 +348,8 @@ class Agent:
             for tier in self.tiers:
                 tier.tick()  # the memory tier keeps the slots mapped for a fast verify
             codes = [self._status(w) for w in self.workers]
-            failed = [(w, c) for w, c in zip(self.workers, codes) if c not in (None, 0)]
+            failed = primary_first([(w, c) for w, c in zip(self.workers, codes)
+                                    if c not in (None, 0)])
             fatal = self._fatal()
             if fatal is not None:  # before the exit it causes: a restart cannot fix it
                 return fatal
@@ -612,3 +613,15 @@ def run_agent(cfg: AgentConfig, user_umask: Optional[int] = None) -> int:
     finally:
         if own:
             os.umask(user_umask)
+
+
+def primary_first(failed: List[Tuple[Worker, int]]) -> List[Tuple[Worker, int]]:
+    """Failures noticed in one poll, the likely root cause first (the restart's cause in
+    events and metrics, the failure summary's first line).
+
+    Why this order: when one rank dies its peers' collectives break, and they exit with an
+    error (or SIGABRT from gloo's teardown) within milliseconds, often inside the same poll.
+    A death by any other signal (SIGKILL, SIGSEGV, SIGBUS, ...) is never such a consequence,
+    so it goes first; otherwise rank order.
+    """
+    return sorted(failed, key=lambda wc: not (wc[1] < 0 and wc[1] != -signal.SIGABRT))
