@@ -49,7 +49,8 @@ test-fast: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
 
-# 100 faults of every kind on examples/train.py at 3 ranks (CI runs 20: tests/test_check_soak.py)
+# 100 faults of every kind on examples/train.py at 3 ranks (CI runs one of each kind, with
+# every rank restarted and in place: tests/test_check_soak.py)
 SOAK_FAULTS ?= 100
 soak: $(VENV)/.installed
 	$(PY) -m ckptrun.cli check --standalone --nproc-per-node 3 --faults $(SOAK_FAULTS) \
