@@ -15,6 +15,12 @@ from typing import IO, Dict, List, Optional, Tuple
 from ckptrun.config import AgentConfig
 
 _console_lock = threading.Lock()
+# Tracebacks already on the console, by (line prefix, text): a failure that repeats after a
+# restart (a crash at start-up, a bad config) shows its traceback once, not once per attempt
+# (the log files keep every copy).  One agent per process, so one set.
+_shown_tracebacks: set = set()
+_TB_START = b"Traceback (most recent call last):"
+_TB_LINKS = (b"During handling of the above exception", b"The above exception was the direct")
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Pump(threading.Thread):
         super().__init__(daemon=True, name="ckptrun-log")
         self.fd, self.log, self.console, self.prefix = fd, log, console, prefix
         self.dup, self.filters = dup, filters
+        self._traceback: List[bytes] = []  # the lines of a traceback being received
 
     def run(self) -> None:
         pending = b""
@@ -105,15 +112,47 @@ class Pump(threading.Thread):
             if self.console is not None:
                 lines = (pending + chunk).split(b"\n")
                 pending = lines.pop()
-                if lines:
-                    self._show(b"".join(self._label(ln) + b"\n" for ln in lines))
-        if self.console is not None and pending:
-            self._show(self._label(pending) + b"\n")
+                shown = self._once([self._label(ln) + b"\n" for ln in lines])
+                if shown:
+                    self._show(shown)
+        if self.console is not None:
+            tail = [self._label(pending) + b"\n"] if pending else []
+            shown = self._once(tail)
+            shown += b"".join(self._traceback)  # one left unfinished: as it came
+            if shown:
+                self._show(shown)
         os.close(self.fd)
         if self.log is not None:
             self.log.close()
         if self.dup is not None:
             self.dup.close()
+
+    def _once(self, lines: List[bytes]) -> bytes:
+        """``lines`` as the console shows them: a traceback is held until its last line,
+        then shown, or -- when this rank showed the same one before -- replaced by one line
+        (``_shown_tracebacks``)."""
+        out: List[bytes] = []
+        for line in lines:
+            body = line[len(self.prefix):] if line.startswith(self.prefix) else line
+            if not self._traceback:
+                if body.startswith(_TB_START):
+                    self._traceback = [line]
+                else:
+                    out.append(line)
+                continue
+            self._traceback.append(line)
+            if body[:1] in (b" ", b"\t", b"\n") or body.startswith(_TB_START) \
+                    or body.startswith(_TB_LINKS):
+                continue  # a frame, a chained exception's heading, a blank line
+            block, self._traceback = self._traceback, []  # its last line: the exception
+            key = (self.prefix, b"".join(ln[len(self.prefix):] if ln.startswith(self.prefix)
+                                         else ln for ln in block))
+            with _console_lock:
+                seen = key in _shown_tracebacks
+                _shown_tracebacks.add(key)
+            out.extend([self.prefix + b"(the same traceback as before: " + body.rstrip(b"\n")
+                        + b")\n"] if seen else block)
+        return b"".join(out)
 
     def _label(self, line: bytes) -> bytes:
         # torch's own excepthook already starts a distributed worker's traceback lines
