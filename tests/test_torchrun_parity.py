@@ -170,11 +170,13 @@ def test_warnings_for_options_standalone_overrides_and_events_to_a_torch_handler
 
 
 @pytest.mark.slow
-def test_options_from_pet_variables_and_one_worker_per_cpu(tmp_path):
+@pytest.mark.parametrize("nproc", ["cpu", "auto"])
+def test_options_from_pet_variables_and_one_worker_per_cpu(tmp_path, nproc):
     """No launcher options but the script: ``PET_NPROC_PER_NODE=cpu`` (one worker per CPU,
-    as ``--nproc-per-node cpu``) and ``PET_MAX_RESTARTS`` come from the environment."""
+    as ``--nproc-per-node cpu``; ``auto`` means the same on a machine without GPUs) and
+    ``PET_MAX_RESTARTS`` come from the environment."""
     seen = {}
-    env = {"PET_NPROC_PER_NODE": "cpu", "PET_MAX_RESTARTS": "0", "PET_STANDALONE": "1"}
+    env = {"PET_NPROC_PER_NODE": nproc, "PET_MAX_RESTARTS": "0", "PET_STANDALONE": "1"}
     for launcher in LAUNCHERS:
         proc = launch(launcher, tmp_path / launcher, PROBE, "--mode", "show", env=env,
                       standalone=False)
