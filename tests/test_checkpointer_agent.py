@@ -260,3 +260,21 @@ def test_failed_background_copy_does_not_stop_training(node, monkeypatch, capsys
     ck.save(3)
     ck.close()
     assert sorted(mem.steps(0)) == [1, 3]
+
+
+def test_persist_options_of_the_script_are_said_not_ignored_under_the_agent(node, monkeypatch,
+                                                                            capsys, tmp_path):
+    """``Checkpointer(persist_to=, persist_every=)`` are for runs without the launcher: under
+    it the agent persists where --persist-to says, and rank 0 says so once."""
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    monkeypatch.setenv("CKPTRUN_PERSIST_TO", str(tmp_path / "agents"))
+    ck = ckptrun.Checkpointer({"w": torch.zeros(4)}, persist_to=str(tmp_path / "mine"),
+                              persist_every=5)
+    err = capsys.readouterr().err
+    assert err.count("ckptrun: Checkpointer(persist_to=, persist_every=) apply without the "
+                     "ckptrun launcher; this job persists to " + str(tmp_path / "agents")) == 1
+    assert ck.persist_to == str(tmp_path / "agents")
+    ck.close()
+    ckptrun.Checkpointer({"w": torch.zeros(4)}).close()  # nothing asked: nothing said
+    assert "persist_to" not in capsys.readouterr().err

@@ -88,6 +88,15 @@ class Checkpointer:
         self.overlap = overlap
         self.capture_rng = capture_rng
         self.verify_restore = verify_restore
+        agent_target = os.environ.get(ENV_PERSIST_TO) if os.environ.get(ENV_CONTROL) else None
+        if agent_target is not None and ((persist_to and persist_to != agent_target)
+                                         or persist_every is not None):
+            # the agent persists under the launcher; said rather than ignored in silence
+            if os.environ.get("RANK", "0") == "0":
+                print(f"ckptrun: Checkpointer(persist_to=, persist_every=) apply without the "
+                      f"ckptrun launcher; this job persists to {agent_target} as "
+                      f"--persist-to/--persist-every say", file=sys.stderr, flush=True)
+            persist_to = agent_target
         self.persist_to = persist_to or os.environ.get(ENV_PERSIST_TO) or None
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
