@@ -31,6 +31,9 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=12, help="optimizer steps")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--persistence-threshold", type=int, default=0,
+                   help="stage 3 keeps parameters of fewer elements whole (DeepSpeed's "
+                        "stage3_param_persistence_threshold; its own default is 1e5)")
     p.add_argument("--crash-at", type=int, default=-1)
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -46,8 +49,9 @@ def main() -> None:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
-        # stage 3 partitions every parameter (by default it keeps small ones whole)
-        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": 0},
+        # 0: stage 3 partitions every parameter (by default it keeps small ones whole)
+        "zero_optimization": {"stage": args.zero_stage,
+                              "stage3_param_persistence_threshold": args.persistence_threshold},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
