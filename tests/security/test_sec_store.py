@@ -1,14 +1,17 @@
 """Attacks on the rendezvous store, which answers anyone who can reach its port: a value
 forged by someone without the job secret, a value moved from another key or replayed from
 another job, and a pickle payload where torch's rendezvous keeps its state.  None is used or
-unpickled; each is reported and treated as absent, and a two-machine job under attack
-finishes normally."""
+unpickled; each is reported and treated as absent, and a two-machine job under attack -- its
+replica servers flooded with garbage too -- finishes normally."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
+import re
+import socket
 import subprocess
 import threading
 import time
@@ -16,12 +19,13 @@ import uuid
 
 import pytest
 import torch.distributed as dist
-from conftest import SCRIPTS, ckptrun_cmd, run_events
+from conftest import ROOT, ckptrun_cmd, run_events
 from test_agent_multinode import free_port
 
 from ckptrun.store.authenticated import MAGIC, AuthenticatedStore, SealedStoreBackend
 
 KEY = os.urandom(32)
+TRAIN = os.path.join(ROOT, "examples", "train.py")
 
 
 @pytest.fixture
@@ -94,8 +98,8 @@ def test_a_two_machine_job_under_attack_finishes(tmp_path, monkeypatch):
     procs = [subprocess.Popen(
         ckptrun_cmd("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv,
-                    "--run-dir", str(run), os.path.join(SCRIPTS, "agent_train.py"),
-                    "--steps", "60", "--step-time", "0.1"),
+                    "--run-dir", str(run), TRAIN, "--width", "64", "--steps", "60",
+                    "--step-time", "0.1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for run in runs]
     forged_keys = []
     try:
@@ -105,6 +109,13 @@ def test_a_two_machine_job_under_attack_finishes(tmp_path, monkeypatch):
             time.sleep(0.2)
         time.sleep(2)  # training
         attacker = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+        # the replica servers' addresses are in the store for anyone to read: flood them too
+        replicas = {m.group(1).decode() for key in attacker.list_keys() if "addr/" in key
+                    for m in [re.search(rb"(127\.0\.0\.1:\d+)", attacker.get(key))] if m}
+        assert len(replicas) == 2, attacker.list_keys()
+        for addr in replicas:
+            _flood(addr)
+        flooded_at = time.time()
         payload = pickle.dumps(_Payload())
         for key in attacker.list_keys():
             if attacker.get(key).startswith(MAGIC):  # a value the job MAC'd: forge it
@@ -120,9 +131,26 @@ def test_a_two_machine_job_under_attack_finishes(tmp_path, monkeypatch):
         assert p.returncode == 0, err[-3000:]
         assert "Traceback" not in err
     assert not mark.exists(), "the payload ran"
-    assert "rank 0 done" in outs[0][0] and "rank 1 done" in outs[1][0]
+    assert "[demo] step 60/60" in outs[0][0], outs[0][0][-2000:]
     forged = [e for r in runs for e in run_events(str(r)) if e["event"] == "store_forged"]
     assert forged, "the forgeries were not reported"
+    # the flood: refused, reported a few times (rate-limited), and replication went on
+    for _out, err in outs:
+        assert 1 <= err.count("refused replica connection") <= 3, err[-3000:]
+    replicated = [e for r in runs for e in run_events(str(r)) if e["event"] == "replicated"]
+    assert [e for e in replicated if e["time"] > flooded_at], (flooded_at, replicated[-3:])
+
+
+def _flood(addr: str) -> None:
+    """What anyone on the network can send a replica server: 40 connections of garbage, a
+    JSON hello nested 100,000 deep, a hello that claims 4 GiB."""
+    host, port = addr.rsplit(":", 1)
+    for junk in [os.urandom(4096)] * 40 + [b"[" * 100_000, b"\xff\xff\xff\xff{"]:
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 5) as s:
+            s.settimeout(5)
+            s.sendall(junk)
+            with contextlib.suppress(OSError):
+                s.recv(1)  # until the server closes it
 
 
 _ATTEMPTS = """
