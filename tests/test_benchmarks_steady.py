@@ -19,6 +19,9 @@ def test_rows_take_the_ratio_from_slopes_and_from_block_pairs():
     samples = {
         "torchrun, no checkpointing": [{"step_s": 1.0, "fixed_s": 4.0, "pairs": [],
                                         "opt_ms": 1.0, "save_ms": 0.0}],
+        "torchrun, copy+hash every step (the floor)": [{"step_s": 1.08, "fixed_s": 4.0,
+                                                        "pairs": [], "opt_ms": 2.0,
+                                                        "save_ms": 0.0}],
         "ckptrun, save() every step": [{"step_s": 1.1, "fixed_s": 5.0, "pairs": [],
                                         "opt_ms": 2.0, "save_ms": 1.0}],
         "ckptrun, save() on/off in blocks": [{"step_s": 1.05, "fixed_s": 5.0,
@@ -29,6 +32,9 @@ def test_rows_take_the_ratio_from_slopes_and_from_block_pairs():
     assert rows["torchrun, no checkpointing"]["ratio"] == 1.0
     assert rows["ckptrun, save() every step"]["ratio"] == pytest.approx(1.1)
     assert rows["ckptrun, save() every step"]["met"] == "no"
+    assert rows["ckptrun, save() every step"]["vs_floor"] == pytest.approx(1.1 / 1.08)
+    floor = rows["torchrun, copy+hash every step (the floor)"]
+    assert floor["ratio"] == pytest.approx(1.08) and "met" not in floor
     blocks = rows["ckptrun, save() on/off in blocks"]
     assert blocks["ratio"] == pytest.approx(1 / 0.97) and blocks["met"] == "yes"
     assert blocks["reps"] == 1 and "1 run(s) failed" in blocks["note"]

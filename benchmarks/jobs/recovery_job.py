@@ -4,7 +4,8 @@ The same script runs under ``ckptrun`` and ``torchrun`` and checkpoints in one o
 (``--ckpt``): ``ckptrun`` (``Checkpointer.save`` every step), ``torchsave`` (one
 ``torch.save`` file per rank every ``--save-every`` steps, the newest complete step is
 loaded at start), ``dcp`` (``torch.distributed.checkpoint.save`` every ``--save-every``
-steps, newest loaded at start) and ``none``.
+steps, newest loaded at start), ``floor`` (the least a snapshot every step costs:
+:class:`FloorCopy`, no checkpoint kept) and ``none``.
 
 The state is a small MLP + AdamW plus a ``blob`` tensor that pads the state to
 ``--state-mb`` MiB per rank (think optimizer state or embeddings that change a little every
@@ -27,8 +28,9 @@ import glob
 import json
 import os
 import signal
+import threading
 import time
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,49 @@ class StepLog:
     def write(self, event: str, **fields: Any) -> None:
         self._f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
         self._f.flush()
+
+
+class FloorCopy:
+    """The work a snapshot at every step cannot avoid, and nothing else: every state tensor
+    copied into a pre-faulted buffer and hashed with xxh3 in 8 MiB chunks (each right
+    after its copy, as ckptrun's slot writer does), on a thread that overlaps the next
+    forward and backward; the next ``optimizer.step()`` waits for it.  No slot files, no
+    agent, no metadata: what ckptrun costs beyond this is its own overhead."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, tensors: List[torch.Tensor]) -> None:
+        self.src = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+        self.dst = torch.zeros(sum(s.numel() for s in self.src), dtype=torch.uint8)
+        self.thread: Optional[threading.Thread] = None
+
+    def _copy(self) -> None:
+        import xxhash
+
+        digest, off = xxhash.xxh3_64(), 0
+        for src in self.src:
+            for a in range(0, src.numel(), self.CHUNK):
+                piece = self.dst[off + a:off + min(src.numel(), a + self.CHUNK)]
+                piece.copy_(src[a:a + self.CHUNK])
+                digest.update(piece.numpy())
+            off += src.numel()
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def state_tensors(model: nn.Module, optim: torch.optim.Optimizer,
+                  blob: torch.Tensor) -> List[torch.Tensor]:
+    """Every tensor a snapshot of ``{"model", "optim", "blob"}`` holds."""
+    out = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    out += [t for st in optim.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return out + [blob]
 
 
 def build(args: argparse.Namespace) -> nn.Module:
@@ -178,7 +223,8 @@ def inject(args: argparse.Namespace, log: StepLog, step: int, rank: int, attempt
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--ckpt", choices=["ckptrun", "torchsave", "dcp", "none"], default="ckptrun")
+    p.add_argument("--ckpt", choices=["ckptrun", "torchsave", "dcp", "floor", "none"],
+                   default="ckptrun")
     p.add_argument("--state-mb", type=int, default=64, help="state per rank, MiB")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--steps-after-restore", type=int, default=5)
@@ -255,6 +301,7 @@ def train(args: argparse.Namespace) -> None:
     log.write("restored", step=start, seconds=time.perf_counter() - t0)
 
     begun = time.monotonic()
+    floor: Optional[FloorCopy] = None  # --ckpt floor: made at the first save (AdamW's state)
     step, end = start, args.steps
     if attempt == 0 and max(args.kill_at, args.hang_at) >= 0:
         end = 1 << 30  # the failure ends the first attempt (the harness has a timeout)
@@ -268,6 +315,8 @@ def train(args: argparse.Namespace) -> None:
         optim.zero_grad()
         loss.backward()
         t_opt = time.perf_counter()
+        if floor is not None:
+            floor.wait()  # as ckptrun's hook makes optimizer.step() wait for its copy
         optim.step()  # under ckptrun this waits for the previous step's background copy
         t_save = time.perf_counter()
         touch_blob(blob, step)
@@ -275,6 +324,9 @@ def train(args: argparse.Namespace) -> None:
         saving = args.alternate <= 0 or (step // args.alternate) % 2 == 1
         if ckpt is not None and saving:
             ckpt.save(n)
+        elif args.ckpt == "floor" and saving:
+            floor = floor or FloorCopy(state_tensors(model, optim, blob))
+            floor.start()
         elif args.ckpt == "torchsave" and n % args.save_every == 0:
             torchsave_save(args.ckpt_dir, rank, n, state)
         elif args.ckpt == "dcp" and n % args.save_every == 0:
@@ -289,6 +341,8 @@ def train(args: argparse.Namespace) -> None:
         step = n
     if ckpt is not None:
         ckpt.close()
+    if floor is not None:
+        floor.wait()
     dist.barrier()  # gloo teardown while a peer is still sending aborts (seen without ckptrun)
     dist.destroy_process_group()
     log.write("done")
