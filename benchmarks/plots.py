@@ -6,14 +6,21 @@
   min-max bars), from the ``stall`` section;
 * ``goodput_vs_cluster.png`` -- effective training time vs number of machines, ckptrun vs
   storage-only, from the ``goodput`` section (both storage assumptions);
-* ``recovery.png`` -- time lost per failure, per case, from the ``recovery`` section.
+* ``recovery.png`` -- time lost per failure, per case, from the ``recovery`` section;
+* ``storage_break_even.png`` -- effective training time of storage-only checkpoints vs the
+  storage bandwidth each machine gets (a store that grows with the cluster: S3, Lustre),
+  one line per cluster size, with ckptrun's ratio at that size and the break-even points of
+  the ``storage_break_even`` section.
 
-Every point comes from the JSON; a section that is missing just skips its plot.
+Every measured point comes from the JSON; the storage-only curves are ``ckptrun.sim``'s
+model evaluated on the same GEMINI reference inputs as that section.  A section that is
+missing just skips its plot.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Dict, List, Optional
@@ -110,6 +117,45 @@ def plot_recovery(results: Dict, path: str) -> Optional[str]:
     return _save(plt, fig, ax, path)
 
 
+def plot_break_even(results: Dict, path: str) -> Optional[str]:
+    rows = [r for r in results["sections"].get("storage_break_even", {}).get("rows", [])
+            if r.get("break_even_gb_per_s")]
+    if not rows:
+        return None
+    from dataclasses import replace
+
+    from ckptrun.sim import paper_reference_inputs, storage_only
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    base = paper_reference_inputs()
+    bandwidths = [0.05 * 1.15 ** i for i in range(int(math.log(400) / math.log(1.15)) + 1)]
+    for row, color in zip(sorted(rows, key=lambda r: r["machines"]), _colors(plt, len(rows))):
+        n = int(row["machines"])
+        inp = replace(base.with_machines(n), storage_shared=False)
+        curve = [storage_only(replace(inp, storage_bytes_per_s=bw * 1e9)).effective_ratio
+                 for bw in bandwidths]
+        ax.plot(bandwidths, [c * 100 for c in curve], color=color,
+                label=f"{n:,} machines: storage only")
+        ax.axhline(row["ckptrun_ratio"] * 100, color=color, linestyle=":", linewidth=1)
+        ax.plot([row["break_even_gb_per_s"]], [row["ckptrun_ratio"] * 100], "o", color=color)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(_plain_ticks())
+    ax.set_ylim(0, 101)
+    ax.set_xlabel("storage bandwidth per machine (GB/s)")
+    ax.set_ylabel("effective training time (%)")
+    ax.set_title("Storage-only checkpoints vs ckptrun (dotted) by cluster size;\n"
+                 "dots: the bandwidth at which they match (GEMINI reference inputs)",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    return _save(plt, fig, ax, path)
+
+
+def _colors(plt, n: int) -> List:
+    cmap = plt.get_cmap("viridis")
+    return [cmap(i / max(1, n - 1) * 0.9) for i in range(n)]
+
+
 def write_plots(results: Dict, out_dir: str) -> List[str]:
     """Write every plot the results allow into ``out_dir``; [] without matplotlib."""
     try:
@@ -121,7 +167,8 @@ def write_plots(results: Dict, out_dir: str) -> List[str]:
     os.makedirs(out_dir, exist_ok=True)
     made = [plot_stall(results, os.path.join(out_dir, "stall_vs_size.png")),
             plot_goodput(results, os.path.join(out_dir, "goodput_vs_cluster.png")),
-            plot_recovery(results, os.path.join(out_dir, "recovery.png"))]
+            plot_recovery(results, os.path.join(out_dir, "recovery.png")),
+            plot_break_even(results, os.path.join(out_dir, "storage_break_even.png"))]
     return [p for p in made if p]
 
 
