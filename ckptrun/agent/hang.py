@@ -188,42 +188,61 @@ def dump_stacks(targets: List[Tuple[int, bool, str, str]], wait: float = 1.0) ->
     ``targets``: ``(pid, has_faulthandler, faulthandler_file, out_path)``.  py-spy is tried
     first when installed; otherwise (or when it fails) a bootstrapped worker gets SIGUSR1
     (its faulthandler writes all threads' stacks into ``faulthandler_file``) followed by
-    SIGCONT, so a stopped process runs the handler too.  All signals go out before the
-    wait, so dumping N workers costs one wait, not N.
+    SIGCONT, so a stopped process runs the handler too.  The signals of a group go out
+    before its wait, so dumping N workers costs one or two waits, not N.
 
-    A worker that was stopped is stopped again once its stacks are out: the verdict was
-    made on a stopped rank, and the restart that follows must find it so.  Left running, it
-    and its peers train on while the agent stops the group, and a short job may even end
-    before the survivors are asked to recover in place.
+    A stopped worker must not train on once the SIGCONT wakes it: the verdict was made on
+    a stopped rank, and the restart that follows must find it so (left running, it and its
+    peers trained on while the agent stopped the group, and a short job even ended before
+    the survivors were asked to recover in place).  So the running workers are dumped
+    first; then they are frozen (SIGSTOP) while the stopped ones run their handlers, which
+    are stopped again once their stacks are out; then the running ones go on.  A woken rank
+    thus finds no peer to complete a collective with.
     """
     done: List[str] = []
-    pending: List[Tuple[str, str, int, int, bool]] = []
+    by_handler: List[Tuple[int, str, str]] = []
     for pid, has_fh, fh_file, out in targets:
         text = _py_spy(pid)
         if text:
             _write(out, text)
             done.append(out)
-            continue
-        if not has_fh:
-            continue
-        before, was_stopped = _size(fh_file), _stopped(pid)
+        elif has_fh:
+            by_handler.append((pid, fh_file, out))
+    stopped = [t for t in by_handler if _stopped(t[0])]
+    running = [t for t in by_handler if t not in stopped]
+    done += _dump(running, wait)
+    if stopped:
+        _signal([pid for pid, _, _ in running], signal.SIGSTOP)
+        try:
+            done += _dump(stopped, wait, stop_again=True)
+        finally:
+            _signal([pid for pid, _, _ in running], signal.SIGCONT)
+    return done
+
+
+def _dump(targets: List[Tuple[int, str, str]], wait: float, stop_again: bool = False
+          ) -> List[str]:
+    """SIGUSR1 + SIGCONT to each of ``targets``, wait until their handlers wrote (at most
+    ``wait`` s), SIGSTOP them again if ``stop_again``; the paths that received a dump."""
+    pending: List[Tuple[str, str, int]] = []
+    for pid, fh_file, out in targets:
+        before = _size(fh_file)
         try:
             os.kill(pid, signal.SIGUSR1)
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             continue
-        pending.append((fh_file, out, before, pid, was_stopped))
+        pending.append((fh_file, out, before))
     deadline = time.monotonic() + wait
-    waiting = list(pending)
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.02)
-        written = [t for t in waiting if _size(t[0]) > t[2]]
-        if written:
+    while pending and time.monotonic() < deadline:
+        if all(_size(f) > b for f, _, b in pending):
             time.sleep(0.05)  # the handler writes thread by thread: let it finish
-            _stop_again(written)
-            waiting = [t for t in waiting if t not in written]
-    _stop_again(waiting)
-    for fh_file, out, before, _, _ in pending:
+            break
+        time.sleep(0.005)
+    if stop_again:
+        _signal([pid for pid, _, _ in targets], signal.SIGSTOP)
+    done = []
+    for fh_file, out, before in pending:
         if _size(fh_file) > before:
             if os.path.abspath(fh_file) != os.path.abspath(out):
                 with open(fh_file) as f:
@@ -242,13 +261,12 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _stop_again(pending: List[Tuple[str, str, int, int, bool]]) -> None:
-    for _, _, _, pid, was_stopped in pending:
-        if was_stopped:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+def _signal(pids: List[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _write(path: str, text: str) -> None:
