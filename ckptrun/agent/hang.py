@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
+from ckptrun.agent.stopping import stat_fields
 from ckptrun.protocol import Phase
 
 AUTO_FIRST_WINDOW_S = 120.0
@@ -255,9 +256,8 @@ def _stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped by a signal (state T in ``/proc/<pid>/stat``)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:][:1] == b"T"
-    except (OSError, ValueError):
+            return stat_fields(f.read())[0] == b"T"
+    except (OSError, ValueError, IndexError):
         return False
 
 

@@ -15,7 +15,7 @@ from typing import IO, Dict, List, Optional, Tuple
 from ckptrun.config import AgentConfig
 
 _console_lock = threading.Lock()
-# Tracebacks already on the console, by (line prefix, text): a failure that repeats after a
+# Tracebacks already on the console, as labelled lines (so per rank): a failure that repeats after a
 # restart (a crash at start-up, a bad config) shows its traceback once, not once per attempt
 # (the log files keep every copy).  One agent per process, so one set.
 _shown_tracebacks: set = set()
@@ -133,7 +133,7 @@ class Pump(threading.Thread):
         (``_shown_tracebacks``)."""
         out: List[bytes] = []
         for line in lines:
-            body = line[len(self.prefix):] if line.startswith(self.prefix) else line
+            body = line[len(self.prefix):]  # labelled (``_label``): the prefix is there
             if not self._traceback:
                 if body.startswith(_TB_START):
                     self._traceback = [line]
@@ -145,8 +145,7 @@ class Pump(threading.Thread):
                     or body.startswith(_TB_LINKS):
                 continue  # a frame, a chained exception's heading, a blank line
             block, self._traceback = self._traceback, []  # its last line: the exception
-            key = (self.prefix, b"".join(ln[len(self.prefix):] if ln.startswith(self.prefix)
-                                         else ln for ln in block))
+            key = b"".join(block)  # labelled lines: the rank's prefix is part of it
             with _console_lock:
                 seen = key in _shown_tracebacks
                 _shown_tracebacks.add(key)

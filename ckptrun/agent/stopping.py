@@ -28,9 +28,15 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the worker leads its own process group
 
 
+def stat_fields(raw: bytes) -> List[bytes]:
+    """The fields of ``/proc/<pid>[/task/<tid>]/stat`` from field 3 (the state) on: the
+    command name before them may hold spaces and parentheses."""
+    return raw[raw.rindex(b")") + 2:].split()
+
+
 def stat_flags(raw: bytes) -> Tuple[int, int]:
     """(flags, exit status) from the text of ``/proc/<pid>[/task/<tid>]/stat``."""
-    fields = raw[raw.rindex(b")") + 2:].split()
+    fields = stat_fields(raw)
     return int(fields[6]), int(fields[49])  # stat fields 9 and 52
 
 
