@@ -10,7 +10,9 @@ and the survivor's warm spares are up, the harness powers machine 1 off: SIGKILL
 to every process of it at once (agent, workers, spares, reaper), so every byte of memory it
 held is gone.  It then starts a replacement machine with the same command line (its own run
 directory: a new machine has its own disk), which joins the rendezvous and pulls the lost
-rank's snapshot from the survivor's memory.
+rank's snapshot from the survivor's memory -- or, in the ``standby`` cases, a third machine
+started with ``--standby`` before the loss (warm, waiting without ranks) takes the place and
+no machine is started after it.
 
 Per run: ``failure → first step`` until *every* rank completed a step after the restore;
 ``steps lost`` = last step every rank completed before the failure − step restored; which
@@ -19,7 +21,8 @@ machine died (its newest step − the newest step of it the survivor held) and t
 round's duration, next to the step time -- a round longer than a step means snapshots get
 across only every few steps, which is what steps lost then shows.  The loss is detected
 when the survivor stops seeing the lost agent's heartbeat in the store
-(``CKPTRUN_NODE_TIMEOUT``, default 5 s): "detection" is part of the recovery time.
+(``CKPTRUN_NODE_TIMEOUT``, default 5 s) or, sooner, when the survivor's link to the lost
+agent breaks (``ckptrun.agent.links``): "detection" is part of the recovery time.
 """
 
 from __future__ import annotations
@@ -50,14 +53,17 @@ COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
 # (state MiB per rank, padded step time s): replicating a step must fit in a step time
 # (state MiB, padded step s, --replication-budget): the default budget, and for the
 # CPU-bound case also "off" -- the two sides of the trade where rounds cost training
-QUICK_CASES = [(64, 0.15, "5%")]
-FULL_CASES = [(64, 0.15, "5%"), (256, 0.5, "5%"), (64, 0.0, "5%"), (64, 0.0, "off")]
+# (state MiB, padded step s, --replication-budget, a standby machine takes the place)
+QUICK_CASES = [(64, 0.15, "5%", False), (64, 0.15, "5%", True)]
+FULL_CASES = [(64, 0.15, "5%", False), (64, 0.15, "5%", True), (256, 0.5, "5%", False),
+              (256, 0.5, "5%", True), (64, 0.0, "5%", False), (64, 0.0, "off", False)]
 
 
-def _cases(ctx: Context) -> List[Tuple[int, float, str]]:
+def _cases(ctx: Context) -> List[Tuple[int, float, str, bool]]:
     opt = ctx.options.get("machine_loss_cases")
-    if opt:  # "64@0.15,256@0.5,64@0@off"
-        return [(int(p[0]), float(p[1]), p[2] if len(p) > 2 else "5%")
+    if opt:  # "64@0.15,256@0.5,64@0@off,64@0.15@5%@standby"
+        return [(int(p[0]), float(p[1]), p[2] if len(p) > 2 else "5%",
+                 len(p) > 3 and p[3] == "standby")
                 for p in (c.split("@") for c in str(opt).split(","))]
     return QUICK_CASES if ctx.quick else FULL_CASES
 
@@ -70,13 +76,16 @@ def _node_steps(m: Machine) -> Tuple[int, Optional[int]]:
 
 
 def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
-           max_wait_s: float) -> bool:
+           max_wait_s: float, standby: Optional[Machine] = None) -> bool:
     """Both machines trained ``min_train_s``, replicated at least once, and the survivor's
-    warm spares are up (or ``max_wait_s`` passed: the sample says so)."""
+    warm spares (and the standby's) are up (or ``max_wait_s`` passed: the sample says so)."""
     from benchmarks.recovery import spares_warm
 
     if since is None or time.monotonic() - since < min_train_s:
         return False
+    if standby is not None and not (standby.status().get("standby")
+                                    and standby.status().get("spare_pids")):
+        return time.monotonic() - since > max_wait_s
     if any(_node_steps(m)[1] is None for m in machines):
         return time.monotonic() - since > max_wait_s
     return spares_warm(machines[0].run_dir, 1) or time.monotonic() - since > max_wait_s
@@ -84,7 +93,7 @@ def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
 
 def run_once(mb: int, step_s: float, root: str, private_shm: bool,
              min_train_s: float = 3.0, max_wait_s: float = 60.0,
-             budget: str = "5%") -> Dict[str, object]:
+             budget: str = "5%", standby: bool = False) -> Dict[str, object]:
     """One machine loss; a sample dict (``error`` says why there is none)."""
     work = tempfile.mkdtemp(prefix="machine-", dir=root)
     job = ["--ckpt", "ckptrun", "--state-mb", str(mb), "--steps", "1000000",
@@ -98,9 +107,13 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
         if len(machines) < 2:
             return {"error": f"the store host did not start: {machines[0].tail(400)}"}
         survivor, lost = machines
+        spare = None
+        if standby:
+            spare = replacement(lost, "standby", work, job, env, ["--standby"])
+            machines.append(spare)
         since, deadline = None, time.monotonic() + 240.0
         rounds: List[float] = []
-        while not _ready(machines, since, min_train_s, max_wait_s):
+        while not _ready([survivor, lost], since, min_train_s, max_wait_s, spare):
             if time.monotonic() > deadline or not all(m.alive() for m in machines):
                 return {"error": "the job did not get going: " + lost.tail(400)}
             if since is None and os.path.exists(os.path.join(work, "steps",
@@ -113,8 +126,9 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
         newest, held = _node_steps(lost)
         lost_node = lost.status().get("node")
         t_fail = lost.power_off()
-        fresh = replacement(lost, "replacement", work, job, env)
-        machines.append(fresh)
+        fresh = spare or replacement(lost, "replacement", work, job, env)
+        if spare is None:
+            machines.append(fresh)
         deadline = time.monotonic() + 180.0
         while (survivor.alive() or fresh.alive()) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -171,10 +185,11 @@ def _measure(logs: Dict[tuple, List[dict]], t_fail: float) -> Dict[str, object]:
 
 
 def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
-              private_shm: bool, budget: str = "5%") -> Row:
+              private_shm: bool, budget: str = "5%", standby: bool = False) -> Row:
     label = f"{step_s:g} s" if step_s else "unpadded"
     row: Row = {"case": f"ckptrun 2 machines × 1 rank, --replicas 2, step {label}, "
-                        f"--replication-budget {budget}",
+                        f"--replication-budget {budget}"
+                        f"{', a --standby machine takes the place' if standby else ''}",
                 "failure": "machine loss (all its processes killed)", "bytes": mb << 20,
                 "target": TARGET, "reps": 0}
     good = [s for s in samples if "error" not in s]
@@ -213,7 +228,8 @@ def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
 
 @section("machine_loss", "Machine loss → a replacement machine restores from a peer's copy",
          COLUMNS, note="two agents on localhost, one rank each, --replicas 2; the lost machine "
-                       "is killed whole and a replacement started with the same command; "
+                       "is killed whole and a replacement started with the same command (or a "
+                       "--standby machine, started before, takes its place); "
                        "lag = the lost machine's newest step − the newest step of it its peer "
                        "held, when it died; medians over rounds (min/max)")
 def machine_loss(ctx: Context) -> List[Row]:
@@ -223,7 +239,7 @@ def machine_loss(ctx: Context) -> List[Row]:
     started = time.monotonic()
     try:
         rows = []
-        for mb, step_s, budget in _cases(ctx):
+        for mb, step_s, budget, standby in _cases(ctx):
             samples = []
             for rnd in range(reps):
                 if rnd and time.monotonic() - started > ctx.time_budget_s:
@@ -234,8 +250,8 @@ def machine_loss(ctx: Context) -> List[Row]:
                 samples.append(run_once(mb, step_s, root, private_shm,  # quick: < 1 min
                                         min_train_s=3.0 if ctx.quick else 10.0,
                                         max_wait_s=10.0 if ctx.quick else 60.0,
-                                        budget=budget))
-            rows.append(summarize(mb, step_s, samples, private_shm, budget))
+                                        budget=budget, standby=standby))
+            rows.append(summarize(mb, step_s, samples, private_shm, budget, standby))
         return rows
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -192,10 +192,11 @@ def start_job(work: str, nnodes: int, extra_agent_args: List[str], job_args: Lis
 
 
 def replacement(like: Machine, name: str, work: str, job_args: List[str],
-                env: Dict[str, str]) -> Machine:
+                env: Dict[str, str], extra_args: Optional[List[str]] = None) -> Machine:
     """A new machine running the same command as ``like`` (its own run directory: a new
-    machine has its own disk)."""
-    m = Machine(name, work, like.command_args, job_args,  # type: ignore[attr-defined]
+    machine has its own disk), with ``extra_args`` (e.g. ``--standby``)."""
+    m = Machine(name, work, like.command_args + list(extra_args or []),  # type: ignore[attr-defined]
+                job_args,
                 os.path.join(work, "steps"), {**like.job_env, **env},  # type: ignore[attr-defined]
                 like.private_shm)
     m.command_args, m.job_env = like.command_args, like.job_env  # type: ignore[attr-defined]

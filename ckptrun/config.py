@@ -67,6 +67,7 @@ class AgentConfig:
     keep: int = 3
     replicas: int = 2
     hot_spares: bool = False  # --hot-spares: spares run the script to its resilient function
+    standby: bool = False  # --standby: wait without ranks, warm, to take a lost machine's place
     hang_timeout: Optional[float] = None  # None = auto
     resume_from: Optional[str] = None
     replication_rate: Optional[float] = None  # bytes/s per agent; None = unpaced

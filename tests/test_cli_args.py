@@ -345,3 +345,18 @@ def test_default_run_dir_follows_the_scheduler_job_id(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
     assert parse(["train.py"]).run_dir == str(tmp_path / "ckptrun-runs" / "abc")
+
+
+def test_standby(listener, monkeypatch):
+    """--standby joins a job of several machines through a dynamic rendezvous; anything
+    else is one line and exit 2 before anything starts."""
+    job = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{listener}", "--rdzv-conf", "is_host=false"]
+    assert parse(job + ["--standby", "train.py"]).standby
+    assert not parse(job + ["train.py"]).standby
+    monkeypatch.setenv("CKPTRUN_STANDBY", "1")
+    assert parse(job + ["train.py"]).standby
+    assert "several machines" in _error(["--standalone", "train.py"])
+    assert "several machines" in _error(["--nnodes", "1", "train.py"])
+    assert "c10d or etcd-v2" in _error(["--nnodes", "2", "--master-port", str(listener),
+                                        "train.py"])

@@ -68,9 +68,12 @@ class Loss:
 
 def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      victim_step: int = 10, persisted: bool = False,
-                     replicated: bool = False, measured: bool = False) -> Loss:
+                     replicated: bool = False, measured: bool = False,
+                     standbys: int = 0) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
-    after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them.
+    after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
+    -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
+    before the loss, and no newcomer at all.
     ``persisted``: also wait for a durable step before the loss; ``replicated``: for every
     machine holding a copy of a victim's snapshots (``ckptrun status``: checkpoint.peers);
     ``measured``: for every agent's pacer to have measured what a round costs (until then
@@ -87,6 +90,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
         wait_until(lambda: listening(port), 60, "the store host", procs)  # a hosts the store
         procs += [machine(tmp_path, n, common, out) for n in names[1:]]
         survivors, lost = procs[:-victims], procs[-victims:]
+        spares = [machine(tmp_path, n, common + ["--standby"], out) for n in "st"[:standbys]]
 
         def ready() -> bool:
             return all(any(w.get("step", 0) >= victim_step
@@ -97,8 +101,13 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                     for v in lost)) \
                 and (not measured or all(
                     status(v.run_dir).get("checkpoint", {}).get("replication_slowdown")
-                    is not None for v in procs))
-        wait_until(ready, 180, f"the machines to be lost at step {victim_step}", procs)
+                    is not None for v in procs)) \
+                and all(len(status(v.run_dir).get("linked_nodes", [])) == nnodes - 1
+                        for v in procs) \
+                and all(status(s.run_dir).get("standby") and status(s.run_dir).get(
+                    "spare_pids") for s in spares)  # waiting, its workers warm
+        wait_until(ready, 180, f"the machines to be lost at step {victim_step}",
+                   procs + spares)
         lost_nodes = sorted(status(v.run_dir)["node"] for v in lost)
         at = max(w.get("step", 0) for v in lost for w in status(v.run_dir).get("workers", []))
         assert at <= STEPS - 10, f"the job was at step {at} of {STEPS} when it was ready"
@@ -107,7 +116,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
             os.kill(v.pid, signal.SIGKILL)
         for v in lost:
             v.wait(timeout=30)
-        newcomers = [machine(tmp_path, n, common, out) for n in "xyz"[:victims]]
+        newcomers = spares or [machine(tmp_path, n, common, out) for n in "xyz"[:victims]]
         host = survivors[0]
 
         def stepped():
@@ -123,12 +132,13 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                 p.kill()
                 p.wait(timeout=30)
     logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:]
-            for n in names + "xyz"[:victims]}
+            for n in names + ("st"[:standbys] or "xyz"[:victims])}
     assert codes == [0] * len(codes), logs
     return Loss(survivors, newcomers, lost_nodes, recovery_s)
 
 
 def report(what: str, loss: Loss, restored_step: int) -> None:
+    """One line for the test log: how long the recovery took, and its parts."""
     lost = of(loss.survivors[0].run_dir, "node_lost")
     print(f"\n{what} -> first step after restore: {loss.recovery_s:.2f}s "
           f"(detection {lost[0]['seconds_silent']:.2f}s), steps lost: "
@@ -147,6 +157,7 @@ def test_machine_lost_replacement_restores_from_peer(tmp_path, references):
     restart = recovery(a.run_dir, "restart")
     assert restart["restarts"] == 1, restart  # one loss, one restart job-wide
     report("machine loss", loss, ra["step"])
+    assert lost[0]["detected_by"] == "link" and lost[0]["seconds_silent"] < 2, lost
     # the peer copy trails by the rounds the 5% pacer allows: encrypted rounds cost ~2x the
     # CPU, and on a loaded 2-core machine it trailed by 4 steps once
     assert 0 <= lost[0]["step"] - ra["step"] <= 5
@@ -230,3 +241,46 @@ def test_three_machines_placement_group_lost_restores_from_storage(tmp_path, ref
     assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
     report("3 machines, a placement group lost", loss, restored[0]["step"])
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
+
+
+@pytest.mark.spares
+def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
+    """Two machines and a third started with ``--standby``: it waits without ranks, its
+    workers warm, and when b's agent is SIGKILLed it takes b's ranks with no machine started
+    after the loss -- restoring b's step from a's copy, bitwise exact at the end.  The loss is
+    seen from the broken link to b's agent, not after the heartbeat timeout."""
+    loss = lose_and_replace(tmp_path, ["--replicas", "2"], measured=True, standbys=1)
+    (a,), (s,) = loss.survivors, loss.newcomers
+    lost = of(a.run_dir, "node_lost")
+    assert [e["node"] for e in lost] == loss.lost_nodes
+    assert lost[0]["detected_by"] == "link" and lost[0]["seconds_silent"] < 2, lost
+    assert of(s.run_dir, "standby") and of(s.run_dir, "standby_joined")
+    assert of(s.run_dir, "start")[0]["node"] == loss.lost_nodes[0]  # took b's place
+    assert all(w["warm"] for w in status(s.run_dir)["workers"]), status(s.run_dir)["workers"]
+    ra, rs = recovery(a.run_dir), recovery(s.run_dir)
+    assert ra["tier"] == "memory" and rs["tier"] == "peer", (ra, rs)
+    assert ra["step"] == rs["step"]
+    assert recovery(a.run_dir, "restart")["restarts"] == 1
+    report("machine loss, standby", loss, ra["step"])
+    assert 0 <= lost[0]["step"] - ra["step"] <= 5
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
+
+
+def test_an_unneeded_standby_leaves_when_the_job_ends(tmp_path, references):
+    """A standby of a job that loses no machine exits 0 when the job is over, and it never
+    took a rank: the job's weights are those of a 2-machine run."""
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id]
+    out = str(tmp_path / "final.pt")
+    a = machine(tmp_path, "a", common, out, step_time="0.02")
+    wait_until(lambda: listening(port), 60, "the store host", [a])
+    s = machine(tmp_path, "s", common + ["--standby"], out, step_time="0.02")
+    b = machine(tmp_path, "b", common, out, step_time="0.02")
+    codes = finish([a, b, s], 180)
+    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in "abs"}
+    assert codes == [0, 0, 0], logs
+    assert "finished without needing this standby" in logs["s"], logs["s"]
+    assert not of(s.run_dir, "start")
+    assert sorted(of(m.run_dir, "start")[0]["node"] for m in (a, b)) == [0, 1]
+    assert_bitwise_equal(out, references(2))

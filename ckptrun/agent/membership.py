@@ -5,6 +5,8 @@ re-rendezvous, and the tiers built anew for each membership.
   a daemon thread (every ``interval_s``, independent of the agent's main loop, so a long
   restore does not look like a death).  A node whose counter has not moved for
   ``CKPTRUN_NODE_TIMEOUT`` seconds (default 5) is *lost*: its agent and its memory are gone.
+  Sooner where it can be: an agent whose direct link (:mod:`ckptrun.agent.links`) breaks
+  without a goodbye is lost at once; the timeout remains for machines that go silent.
 * :func:`assign_ranks` -- after a new round of torch's rendezvous, survivors keep their group
   rank (their memory holds those ranks' snapshots) and newcomers take the missing ones;
   torch's own rank order in a round is not stable.  The job-wide epoch travels with the
@@ -27,7 +29,9 @@ import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
+from ckptrun.agent.links import Links, start_links
 from ckptrun.agent.rendezvous import KEY_PREFIX, RUN, Epoch, JobCoordinator
+from ckptrun.agent.standby import offer_places
 from ckptrun.config import AgentConfig
 from ckptrun.store.kvstore import own_client
 from ckptrun.tiers.interface import TierContext
@@ -43,11 +47,12 @@ MEMBER = KEY_PREFIX + "member/"
 
 
 class NodeLost(Exception):
-    """Other machines of the job stopped showing signs of life."""
+    """Other machines of the job stopped showing signs of life.  ``how``: ``"link"`` (their
+    agent's connection broke) or ``"heartbeat"`` (silent for the timeout)."""
 
-    def __init__(self, nodes: List[int], silent_s: float):
-        super().__init__(f"node(s) {nodes} silent for {silent_s:.1f}s")
-        self.nodes, self.silent_s = nodes, silent_s
+    def __init__(self, nodes: List[int], silent_s: float, how: str = "heartbeat"):
+        super().__init__(f"node(s) {nodes} silent for {silent_s:.1f}s ({how})")
+        self.nodes, self.silent_s, self.how = nodes, silent_s, how
 
 
 def node_timeout_s() -> float:
@@ -62,8 +67,9 @@ class Liveness:
     """Publishes this agent's liveness and watches the other agents' (see module docstring)."""
 
     def __init__(self, store, node: int, nnodes: int, timeout_s: Optional[float] = None,
-                 interval_s: float = 0.5):
+                 interval_s: float = 0.5, links: Optional[Links] = None):
         self.store, self.node, self.nnodes = store, node, nnodes
+        self.links = links  # a broken link is a loss at once (ckptrun.agent.links)
         self.timeout_s = node_timeout_s() if timeout_s is None else timeout_s
         self.interval_s = interval_s
         now = time.monotonic()
@@ -82,7 +88,10 @@ class Liveness:
         return self
 
     def stop(self) -> None:
+        """Stop beating and say goodbye on the links (this agent leaves on purpose)."""
         self._stop.set()
+        if self.links is not None:
+            self.links.close()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
@@ -117,18 +126,22 @@ class Liveness:
             return min((now - t for _, t in self._progress.values()), default=float("inf"))
 
     def lost(self) -> Tuple[List[int], float]:
-        """(nodes silent for longer than the timeout, the longest silence in seconds)."""
+        """(nodes lost -- their link broke, or silent for longer than the timeout --, the
+        longest time since one was last known alive, in seconds)."""
         now = time.monotonic()
         with self._lock:
             silent = {g: now - t for g, (_, t) in self._seen.items()}
-        gone = sorted(g for g, s in silent.items() if s > self.timeout_s)
+        broken = self.links.broken() if self.links is not None else {}
+        silent.update({g: now - t for g, t in broken.items() if g in silent})
+        gone = sorted(g for g, s in silent.items() if s > self.timeout_s or g in broken)
         return gone, max((silent[g] for g in gone), default=0.0)
 
     def check(self) -> None:
         """Raise :class:`NodeLost` when some node is lost (used inside bounded waits too)."""
         gone, silent = self.lost()
         if gone:
-            raise NodeLost(gone, silent)
+            broken = self.links.broken() if self.links is not None else {}
+            raise NodeLost(gone, silent, "link" if set(gone) <= set(broken) else "heartbeat")
 
 
 def assign_ranks(store, torch_rank: int, world: int, old_rank: Optional[int],
@@ -158,15 +171,17 @@ def assign_ranks(store, torch_rank: int, world: int, old_rank: Optional[int],
 # ------------------------------------------------------------------ the agent's side
 
 
-def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = None) -> bool:
-    """A round of torch's rendezvous, then our own stable group ranks (survivors keep
-    theirs) and the job's epoch carried over; the tiers are (re-)created for it.
-    False: no round could be completed (e.g. fewer than MIN machines before the join
-    timeout)."""
+def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = None,
+               joined=None) -> bool:
+    """A round of torch's rendezvous (``joined``: a membership formed already -- one a
+    standby's round completed, or one a standby took places in, :mod:`.standby`), then our
+    own stable group ranks (survivors keep theirs) and the job's epoch carried over; the
+    tiers are (re-)created for it.  False: no round could be completed (e.g. fewer than MIN
+    machines before the join timeout)."""
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     try:
-        info = agent.rdzv.join()
+        info = joined if joined is not None else agent.rdzv.join()
         if info.group_world_size > 1:
             rank, epoch = assign_ranks(info.store, info.group_rank, info.group_world_size,
                                        old_rank, epoch)
@@ -183,8 +198,10 @@ def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = N
     agent.live = None
     if info.group_world_size > 1:
         # its own client: a heartbeat queued behind other threads' waits reads as a death
+        links = start_links(agent.cfg, info.store, info.group_rank, info.group_world_size,
+                            _own_address(agent.cfg, info.master_addr))
         agent.live = Liveness(own_client(info.store), info.group_rank,
-                              info.group_world_size).start()
+                              info.group_world_size, links=links).start()
         agent.coord.check = agent.live.check
     agent._own_addr = (_own_address(agent.cfg, info.master_addr)
                        if info.group_world_size > 1 else None)
@@ -203,7 +220,7 @@ def replace_nodes(agent, lost: NodeLost) -> bool:
     steps = [agent.control.record(w.local_rank)["step"] for w in agent.workers]
     for node in lost.nodes:  # the status file's recent failures get the event itself
         rec = agent.events.emit("node_lost", node=node, attempt=attempt,
-                                seconds_silent=round(lost.silent_s, 3),
+                                seconds_silent=round(lost.silent_s, 3), detected_by=lost.how,
                                 step=min(steps) if steps else None)
         agent.failures = (agent.failures + [rec])[-20:]
     agent.state = "restarting"
@@ -213,15 +230,18 @@ def replace_nodes(agent, lost: NodeLost) -> bool:
         # failure that started this attempt was counted already: a new attempt only
         agent.epoch = (agent.coord.report_failure(attempt) if agent._started
                        else agent.coord.request_restart(attempt))
+    # standbys take the lost places at once, or the survivors meet in torch's next round
+    taken = offer_places(agent, lost.nodes) if agent.epoch.state == RUN else None
     agent.live.stop()
     for tier in agent.tiers:
         tier.close()
     if agent.epoch.state != RUN:
         return True  # the loop ends the job (budget spent)
-    if not join_round(agent, agent.info.group_rank, agent.epoch):
+    if not join_round(agent, agent.info.group_rank, agent.epoch, joined=taken):
         return False
     agent.events.emit("restart", attempt=agent.epoch.attempt, restarts=agent.epoch.restarts,
-                      nnodes=agent.info.group_world_size, node=agent.info.group_rank)
+                      nnodes=agent.info.group_world_size, node=agent.info.group_rank,
+                      **({"standby_took": sorted(lost.nodes)} if taken else {}))
     return True
 
 

@@ -43,20 +43,26 @@ class NodeInfo:
     master_port: int
     run_id: str
     use_agent_store: bool
+    # this membership's id, shared by its agents (None where the backend keeps no store of
+    # its own): standbys are offered the places of a membership's lost machines by it
+    membership: Optional[str] = None
 
 
-def _authenticated_c10d_handler(params, key: bytes, on_forged):
+def _c10d_handler(params, key: Optional[bytes], on_forged):
     """torch's c10d dynamic rendezvous from its public pieces -- ``create_backend`` makes the
     ``TCPStore`` exactly as torchrun would, ``create_handler`` the handler -- with the store
-    MAC'd and the handler's pickled state kept by :class:`SealedStoreBackend`."""
+    MAC'd and the handler's pickled state kept by :class:`SealedStoreBackend` (unless
+    ``--insecure``).  Returns (handler, its store): a standby reads the job's state there."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     from ckptrun.store.authenticated import AuthenticatedStore, SealedStoreBackend
 
-    _, raw = create_backend(params)
+    backend, raw = create_backend(params)
+    if key is None:
+        return create_handler(raw, backend, params), raw
     store = AuthenticatedStore(raw, key, on_forged)
-    return create_handler(store, SealedStoreBackend(store, params.run_id), params)
+    return create_handler(store, SealedStoreBackend(store, params.run_id), params), store
 
 
 def resolve_rdzv(cfg: AgentConfig):
@@ -104,13 +110,14 @@ class Rendezvous:
             backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=cfg.min_nodes,
             max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **configs,
         )
+        self.store = None  # the handler's own store (dynamic backends): outlives rounds
         if backend == "etcd-v2":
             # torch's etcd store lacks compare_set, which the job epoch needs.
             from ckptrun.store.etcd import create_etcd_v2_handler
 
-            self.handler = create_etcd_v2_handler(params, self.key, on_forged)
-        elif backend == "c10d" and self.key is not None:
-            self.handler = _authenticated_c10d_handler(params, self.key, on_forged)
+            self.handler, self.store = create_etcd_v2_handler(params, self.key, on_forged)
+        elif backend == "c10d":
+            self.handler, self.store = _c10d_handler(params, self.key, on_forged)
         else:
             self.handler = rdzv_registry.get_rendezvous_handler(params)
         self._static_master = None
@@ -139,8 +146,13 @@ class Rendezvous:
                 from ckptrun.store.authenticated import AuthenticatedStore
 
                 store = AuthenticatedStore(store, self.key, self.on_forged)
+        membership = None
+        if self.store is not None:
+            got = info.store.compare_set(KEY_PREFIX + "membership", "", uuid.uuid4().hex)
+            membership = got.decode() if isinstance(got, bytes) else got
         return NodeInfo(store, info.rank, info.world_size, addr, int(port),
-                        self.handler.get_run_id(), bool(self.handler.use_agent_store))
+                        self.handler.get_run_id(), bool(self.handler.use_agent_store),
+                        membership)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join (scale-up); 0 when the backend cannot tell."""

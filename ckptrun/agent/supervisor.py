@@ -44,6 +44,7 @@ from ckptrun.agent.rendezvous import (
     torchrun_env,
 )
 from ckptrun.agent.restart_loops import RestartLoops, describe_how, error_message, signature
+from ckptrun.agent.standby import release_standbys, wait_for_a_place
 from ckptrun.agent.workers import Worker, WorkerLauncher, stop_workers, wait_for_exit
 from ckptrun.config import AgentConfig
 from ckptrun.tiers.interface import Tier
@@ -152,7 +153,11 @@ class Agent:
         # a value in the store that is not this job's is dropped, and said so
         self.rdzv = Rendezvous(cfg, on_forged=lambda key: self.events.emit(
             "store_forged", key=key[-120:]))
-        if not join_round(self):
+        if cfg.standby:
+            code = wait_for_a_place(self)
+            if code is not None:
+                return code
+        elif not join_round(self):
             return 1
         self.events.emit("start", nnodes=self.info.group_world_size,
                          nproc_per_node=cfg.nproc_per_node, node=self.info.group_rank,
@@ -552,7 +557,11 @@ class Agent:
             "run_id": info.run_id if info else cfg.rdzv_id, "state": self.state,
             "restarts": self.epoch.restarts, "attempt": self.epoch.attempt,
             "nnodes": info.group_world_size if info else cfg.min_nodes,
-            "nproc_per_node": cfg.nproc_per_node, "node": info.group_rank if info else 0,
+            "nproc_per_node": cfg.nproc_per_node,
+            "node": info.group_rank if info else (None if cfg.standby else 0),
+            "standby": cfg.standby and info is None,  # waiting for a machine to replace
+            "linked_nodes": (self.live.links.linked() if getattr(self, "live", None)
+                             and self.live.links else []),
             "agent_pid": os.getpid(), "updated": time.time(), "job_token": self.token,
             "persist_to": cfg.persist_to, "workers": workers, "checkpoint": checkpoint,
             "failures": self.failures, "slots": slots,
@@ -571,6 +580,9 @@ class Agent:
             if getattr(self, "live", None) is not None:
                 self.live.stop()
         finally:
+            if getattr(self, "live", None) is not None:  # the goodbye on the agents' links
+                with contextlib.suppress(Exception):
+                    self.live.stop()
             self.launcher.close()
             self.state = "succeeded" if code == 0 else "failed"
             with contextlib.suppress(Exception):
@@ -586,6 +598,8 @@ class Agent:
             unlink_shm(self.token)
             self.reaper.close()
             if hasattr(self, "rdzv"):
+                if getattr(self, "info", None) is not None and self.info.group_world_size > 1:
+                    release_standbys(self.rdzv)
                 self.rdzv.shutdown()
             self.events.close()
 

@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with @ckptrun.resilient: each spare runs the script up to that "
                        "function and waits there, so a replacement skips the script's start-up "
                        "(the code before the function runs twice: keep side effects inside it)")
+    group.add_argument("--standby", action="store_true",
+                       default=os.environ.get("CKPTRUN_STANDBY", "").strip().lower() in TRUE,
+                       help="join a multi-machine job as a standby machine: no ranks, warm "
+                       "workers; takes a lost machine's ranks as soon as the loss is seen")
+    # torchrun's unique prefixes of --standalone stay its own though --standby shares them
+    parser.add_argument("--stan", "--stand", dest="standalone", action="store_true",
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--version", action="version", version=f"ckptrun {__version__}")
     step = _slurm_step()
     if step is not None:  # under srun: the allocation gives the rendezvous (flags still win)
@@ -264,7 +271,8 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         numa_binding=getattr(ns, "numa_binding", None) or None,
         persist_to=persist_to, persist_every_steps=every_steps,
         persist_every_seconds=every_seconds, keep=_count(ns.keep, "--keep"),
-        replicas=_count(ns.replicas, "--replicas"), hot_spares=bool(ns.hot_spares), hang_timeout=parse_hang_timeout(ns.hang_timeout),
+        replicas=_count(ns.replicas, "--replicas"), hot_spares=bool(ns.hot_spares),
+        standby=bool(ns.standby), hang_timeout=parse_hang_timeout(ns.hang_timeout),
         resume_from=_absolute_url(ns.resume_from) if ns.resume_from else None,
         replication_rate=parse_replication_rate(ns.replication_rate),
         replication_budget=_replication_budget(ns.replication_budget),
@@ -278,10 +286,22 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
     elif max_nodes > 1 and cfg.replicas > max_nodes:  # --replicas counts the own copy
         _warn(f"--replicas {cfg.replicas}: with at most {max_nodes} machines each snapshot has "
               f"at most {max_nodes} copies in memory, its own included")
+    if cfg.standby:
+        _check_standby(cfg)
     from ckptrun.cli.preflight import check_environment
 
     check_environment(cfg)
     return cfg, ns
+
+
+def _check_standby(cfg: AgentConfig) -> None:
+    """A standby waits in torch's dynamic rendezvous for a machine of a running job to go."""
+    if cfg.standalone or cfg.max_nodes == 1:
+        raise UsageError("--standby joins a job of several machines (--nnodes N with N > 1 and "
+                         "the job's --rdzv-endpoint); this one runs on one machine")
+    if cfg.rdzv_backend not in ("c10d", "etcd-v2"):
+        raise UsageError(f"--standby needs --rdzv-backend c10d or etcd-v2 (a standby waits in "
+                         f"torch's dynamic rendezvous), not {cfg.rdzv_backend}")
 
 
 def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:

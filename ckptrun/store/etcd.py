@@ -66,7 +66,7 @@ class CasEtcdStore(EtcdStore):
 def create_etcd_v2_handler(params, key=None, on_forged=None):
     """A dynamic-rendezvous handler on etcd whose store is a :class:`CasEtcdStore`; with
     ``key``, its values and the handler's pickled state are MAC'd
-    (:mod:`ckptrun.store.authenticated`)."""
+    (:mod:`ckptrun.store.authenticated`).  Returns (handler, the store it keeps its state in)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
 
@@ -75,6 +75,6 @@ def create_etcd_v2_handler(params, key=None, on_forged=None):
     backend, store = create_backend(params)
     cas = CasEtcdStore(store.client, store.prefix, store.timeout)
     if key is None:
-        return create_handler(cas, backend, params)
-    return create_handler(AuthenticatedStore(cas, key, on_forged),
-                          AuthenticatedBackend(backend, key, on_forged), params)
+        return create_handler(cas, backend, params), cas
+    sealed = AuthenticatedStore(cas, key, on_forged)
+    return create_handler(sealed, AuthenticatedBackend(backend, key, on_forged), params), sealed
