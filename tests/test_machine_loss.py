@@ -69,7 +69,7 @@ class Loss:
 def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      victim_step: int = 10, persisted: bool = False,
                      replicated: bool = False, measured: bool = False,
-                     standbys: int = 0) -> Loss:
+                     standbys: int = 0, standby_copies: bool = True) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
     after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
     -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
@@ -104,8 +104,11 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                     is not None for v in procs)) \
                 and all(len(status(v.run_dir).get("linked_nodes", [])) == nnodes - 1
                         for v in procs) \
-                and all(status(s.run_dir).get("standby") and status(s.run_dir).get(
-                    "spare_pids") for s in spares)  # waiting, its workers warm
+                and all(status(s.run_dir).get("standby") and (status(s.run_dir).get(
+                    "spare_pids") or os.environ.get("CKPTRUN_WARM_SPARES") == "0")
+                    and (not standby_copies or status(s.run_dir).get(
+                        "standby_holds_step") is not None)
+                    for s in spares)  # waiting, warm, holding every machine's copies
         wait_until(ready, 180, f"the machines to be lost at step {victim_step}",
                    procs + spares)
         lost_nodes = sorted(status(v.run_dir)["node"] for v in lost)
@@ -116,7 +119,8 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
             os.kill(v.pid, signal.SIGKILL)
         for v in lost:
             v.wait(timeout=30)
-        newcomers = spares or [machine(tmp_path, n, common, out) for n in "xyz"[:victims]]
+        newcomers = spares + [machine(tmp_path, n, common, out)
+                              for n in "xyz"[:max(0, victims - len(spares))]]
         host = survivors[0]
 
         def stepped():
@@ -132,7 +136,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                 p.kill()
                 p.wait(timeout=30)
     logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:]
-            for n in names + ("st"[:standbys] or "xyz"[:victims])}
+            for n in names + "st"[:standbys] + "xyz"[:max(0, victims - standbys)]}
     assert codes == [0] * len(codes), logs
     return Loss(survivors, newcomers, lost_nodes, recovery_s)
 
@@ -246,9 +250,10 @@ def test_three_machines_placement_group_lost_restores_from_storage(tmp_path, ref
 @pytest.mark.spares
 def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
     """Two machines and a third started with ``--standby``: it waits without ranks, its
-    workers warm, and when b's agent is SIGKILLed it takes b's ranks with no machine started
-    after the loss -- restoring b's step from a's copy, bitwise exact at the end.  The loss is
-    seen from the broken link to b's agent, not after the heartbeat timeout."""
+    workers warm, holding the copies both machines push it every round; when b's agent is
+    SIGKILLed it takes b's ranks with no machine started after the loss -- restoring b's step
+    (from its own memory as a rule), bitwise exact at the end.  The loss is seen from the broken link to
+    b's agent, not after the heartbeat timeout."""
     loss = lose_and_replace(tmp_path, ["--replicas", "2"], measured=True, standbys=1)
     (a,), (s,) = loss.survivors, loss.newcomers
     lost = of(a.run_dir, "node_lost")
@@ -258,7 +263,10 @@ def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
     assert of(s.run_dir, "start")[0]["node"] == loss.lost_nodes[0]  # took b's place
     assert all(w["warm"] for w in status(s.run_dir)["workers"]), status(s.run_dir)["workers"]
     ra, rs = recovery(a.run_dir), recovery(s.run_dir)
-    assert ra["tier"] == "memory" and rs["tier"] == "peer", (ra, rs)
+    # the standby's own copy serves the restore unless a newer round had reached a's copies
+    # but not yet the standby when b died: the newest common step wins, fetched from a
+    # (tests/test_standby_copies.py checks the copies themselves)
+    assert ra["tier"] == "memory" and rs["tier"] in ("memory", "peer"), (ra, rs)
     assert ra["step"] == rs["step"]
     assert recovery(a.run_dir, "restart")["restarts"] == 1
     report("machine loss, standby", loss, ra["step"])
@@ -284,3 +292,28 @@ def test_an_unneeded_standby_leaves_when_the_job_ends(tmp_path, references):
     assert not of(s.run_dir, "start")
     assert sorted(of(m.run_dir, "start")[0]["node"] for m in (a, b)) == [0, 1]
     assert_bitwise_equal(out, references(2))
+
+
+def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(tmp_path, references):
+    """3 machines and one standby; two machines are lost at once -- both holders of some
+    machine's copies.  The standby takes one place, nobody takes the other within the
+    offer's time, so the survivor, the standby and a replacement started by hand meet in a
+    round of torch's rendezvous instead.  The standby held every machine's copies, so the
+    placement group's loss costs no trip to storage: everyone restores the same step from
+    memory, the replacement pulling its ranks from the standby."""
+    store = tmp_path / "durable"
+    loss = lose_and_replace(
+        tmp_path, ["--replicas", "2", "--persist-every", "5", "--persist-to", str(store)],
+        nnodes=3, victims=2, persisted=True, replicated=True, standbys=1)
+    holders = placement.placement(3, 2)
+    assert any(set(hs) <= set(loss.lost_nodes) for hs in holders), (holders, loss.lost_nodes)
+    (a,), (s, x) = loss.survivors, loss.newcomers
+    assert of(s.run_dir, "standby_joined")
+    assert sorted(of(m.run_dir, "start")[0]["node"] for m in (s, x)) == loss.lost_nodes
+    restart = recovery(a.run_dir, "restart")
+    assert "standby_took" not in restart, restart  # the round, not a takeover
+    restored = [recovery(m.run_dir) for m in (a, s, x)]
+    assert [r["tier"] for r in restored] == ["memory", "memory", "peer"], restored
+    assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
+    report("3 machines, two lost, one standby", loss, restored[0]["step"])
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))

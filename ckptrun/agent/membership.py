@@ -208,7 +208,8 @@ def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = N
     agent.tiers = build_tiers(TierContext(
         cfg=agent.cfg, node=info.group_rank, nnodes=info.group_world_size, store=info.store,
         memory=agent.memory, control=agent.control, token=agent.token, emit=agent.events.emit,
-        address=agent._own_addr, master_addr=info.master_addr))
+        address=agent._own_addr, master_addr=info.master_addr,
+        job_store=getattr(agent.rdzv, "store", None)))
     return True
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -48,6 +49,7 @@ import uuid
 from typing import List, Optional
 
 from ckptrun.agent.rendezvous import KEY_PREFIX, NodeInfo
+from ckptrun.tiers.peer.standby_copies import StandbyHolder, standby_host
 
 K = KEY_PREFIX + "standby/"
 WAITING, OVER = K + "waiting", K + "over"
@@ -173,7 +175,17 @@ def wait_for_a_place(agent) -> Optional[int]:
 
     # its own client: a torch round's handler talks to the store on the other one
     store, t0 = own_client(agent.rdzv.store), time.monotonic()
-    agent.events.emit("standby", waiting=True)
+    cfg = agent.cfg
+    holder = None
+    # the members push it their copies every round (CKPTRUN_STANDBY_COPIES=0: it pulls the
+    # lost ranks' copies at the takeover instead, and the rounds stay as cheap as without it)
+    if cfg.secret is not None and cfg.replicas > 1 and \
+            os.environ.get("CKPTRUN_STANDBY_COPIES", "1") != "0":
+        holder = StandbyHolder(cfg, own_client(agent.rdzv.store), agent.token,
+                               standby_host(cfg))
+    agent.standby_holder = holder
+    agent.events.emit("standby", waiting=True,
+                      holds_copies=holder is not None)
     # warm workers from the start: a spare per local rank, its rank given at "go"
     agent.launcher.spare_delay = 0.0
     agent.launcher.schedule_spares({})
@@ -201,9 +213,17 @@ def wait_for_a_place(agent) -> Optional[int]:
                     if how == "member":
                         store.add(WAITING, -1)
                         counted = False
+                        if holder is not None:  # the copies of the ranks it takes stay
+                            nproc = cfg.nproc_per_node
+                            holder.keep_only([info.group_rank * nproc + lr
+                                              for lr in range(nproc)])
+                            agent.standby_holder = holder = None
                         if not join_round(agent, info.group_rank, None, joined=info):
                             return 1
                         break
+                    if holder is not None:
+                        holder.close()
+                        agent.standby_holder = holder = None
                     thread = threading.Thread(target=join_torch_round, daemon=True,
                                               name="ckptrun-standby-join")
                     thread.start()
@@ -228,6 +248,10 @@ def wait_for_a_place(agent) -> Optional[int]:
         if counted:
             with contextlib.suppress(Exception):
                 store.add(WAITING, -1)
+        if holder is not None:
+            with contextlib.suppress(Exception):
+                holder.close()
+            agent.standby_holder = None
     agent.events.emit("standby_joined", node=agent.info.group_rank,
                       seconds_waited=round(time.monotonic() - t0, 3))
     return None

@@ -49,6 +49,7 @@ from ckptrun.agent.workers import Worker, WorkerLauncher, stop_workers, wait_for
 from ckptrun.config import AgentConfig
 from ckptrun.tiers.interface import Tier
 from ckptrun.tiers.memory.node import NodeMemory
+from ckptrun.tiers.peer.standby_copies import describe as describe_standby
 from ckptrun.tiers.restore_decision import decide_restore
 
 
@@ -560,6 +561,7 @@ class Agent:
             "nproc_per_node": cfg.nproc_per_node,
             "node": info.group_rank if info else (None if cfg.standby else 0),
             "standby": cfg.standby and info is None,  # waiting for a machine to replace
+            **describe_standby(getattr(self, "standby_holder", None)),
             "linked_nodes": (self.live.links.linked() if getattr(self, "live", None)
                              and self.live.links else []),
             "agent_pid": os.getpid(), "updated": time.time(), "job_token": self.token,

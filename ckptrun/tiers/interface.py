@@ -41,6 +41,7 @@ class TierContext:
     emit: Callable[..., Dict[str, Any]]  # ``EventLog.emit``: one event into events.jsonl
     address: Optional[str] = None  # where other machines reach this one (None: one machine)
     master_addr: str = "127.0.0.1"
+    job_store: Any = None  # the rendezvous handler's own store: outlives memberships (standbys)
 
     @property
     def ranks(self) -> List[int]:

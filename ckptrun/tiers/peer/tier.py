@@ -37,6 +37,7 @@ from ckptrun.tiers.peer.beat_windows import BeatWindows
 from ckptrun.tiers.peer.copies import PeerStore, copy_slot_file
 from ckptrun.tiers.peer.pacing import Pacer
 from ckptrun.tiers.peer.server import ReplicaServer, fetch, inventory, push
+from ckptrun.tiers.peer.standby_copies import StandbyTargets
 from ckptrun.tiers.peer.wire import lower_thread_priority
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class ReplicaTier(Tier):
         self.peers = placement.peers_of(self.node, self.n, self.m)
         self.holders = [h for h in placement.holders_of(self.node, self.n, self.m)
                         if h != self.node]
+        # --standby machines get every round's copies too (none for an --insecure job)
+        self.standbys = (StandbyTargets(ctx.job_store, self.secret, self.node)
+                         if cfg.secret is not None and ctx.job_store is not None else None)
         self.rate = cfg.replication_rate  # bytes/s per push; None = unpaced
         self.replicated_step: Optional[int] = None
         self.rate_mb_s: Optional[float] = None  # throughput of the last complete round
@@ -150,7 +154,8 @@ class ReplicaTier(Tier):
                 "replication_rounds": self.rounds, "replicated_bytes": self.replicated_bytes,
                 "replication_duty": round(self.pacer.duty(), 4),
                 "replication_slowdown": None if slow is None else round(slow, 4),
-                "replication_rate_mb_s": self.rate / 1e6 if self.rate else None}
+                "replication_rate_mb_s": self.rate / 1e6 if self.rate else None,
+                "standby_copies": self.standbys.status() if self.standbys else None}
 
     def offers(self, ranks: List[int], attempt: int, max_step: Optional[int]) -> List[int]:
         """The steps (at most ``max_step``) every rank here can get from this node's slots,
@@ -281,6 +286,9 @@ class ReplicaTier(Tier):
             self.peer_copies[peer] = {
                 "holds_step": step, "updated": time.time(),
                 "mb_s": round(sent.get(peer, 0) / took / 1e6, 1) if took > 0 else None}
+        if self.standbys is not None:
+            self.replicated_bytes += self.standbys.push_round(own, step, self.rate,
+                                                              self.copies.maps)
         self.replicated_step = step
         now = time.monotonic()
         self.rounds += 1
