@@ -247,15 +247,32 @@ def paper_reference_inputs() -> ClusterInputs:
 class RestartCosts:
     """What a recovery costs besides the state itself, in seconds per failure.
 
-    Defaults: ``detect_s``, ``process_s`` as measured on this project's machine (the
-    ``recovered`` event's detection of a dead rank; a cold ``import torch``); the others are
-    public orders of magnitude, there to be overridden with a cluster's own numbers:
-    ``cuda_context_s`` 1-4 s per process; ``comm_init_s`` an NCCL communicator, tens of
-    seconds on one node and minutes at scale; ``compile_s`` ``torch.compile`` with a warm
-    cache, 5-40 s (minutes cold); ``setup_s`` the script's own start-up (tokenizer, dataset
-    index, data-loader workers); ``node_start_s`` a replacement machine (node or pod start);
-    ``partition_detect_s`` a silent machine's detection by heartbeat timeout;
-    ``transfer_s`` state a standby machine does not hold yet.
+    Measured on this project's machine (no GPU): ``detect_s`` (the ``recovered`` event's
+    detection of a dead rank, ~0.02-0.05 s), ``process_s`` (a cold ``import torch`` and the
+    interpreter, 2-3 s on 2 cores).  The others are public figures, there to be overridden
+    with a cluster's own numbers (``benchmarks/goodput.py`` takes them as options):
+
+    * ``cuda_context_s`` -- a CUDA context per process, 1-4 s (the figure issue 16 quotes;
+      not measured here: no GPU was lent to this project's sessions);
+    * ``comm_init_s`` -- an NCCL communicator: tens of seconds on one node, and ~265 s cold
+      at 96k GPUs (Si et al., "Collective Communication for 100k+ GPUs", Meta,
+      arXiv:2510.20171, 2025), whose init phases grow super-linearly with the job;
+    * ``compile_s`` -- ``torch.compile`` in a new process with a warm cache: 30-40 s for
+      gpt-fast (pytorch-labs/gpt-fast issue 43, a compiler maintainer's figure), 5-20 s with
+      a persisted artifact cache (Baseten's torch-compile-cache documentation);
+    * ``setup_s`` -- the script's own start-up (tokenizer, dataset index, data-loader
+      workers); ``node_start_s`` -- a replacement machine (node or pod start, scheduling);
+    * ``partition_detect_s`` -- a machine that vanishes without closing its connections
+      (power, kernel panic, partition) is seen by the heartbeat timeout
+      (``CKPTRUN_NODE_TIMEOUT``, 5 s); an agent process that dies (OOM killer, crash, the
+      machine rebooted cleanly) is seen at once from its broken links, as ``detect_s``;
+    * ``transfer_s`` -- state a standby machine does not hold yet (it holds every machine's
+      newest round copy by default: ``ckptrun.tiers.peer.standby_copies``).
+
+    For scale: standby machines bring a machine loss to ~20 s at 1,024 GPUs in TrainMover
+    (Lao et al., OSDI '26, arXiv:2412.12636); the GEMINI paper measured restart warm-up above
+    4 minutes; Meta reports a mean time to failure of 7.9 h at 1,024 GPUs ("Revisiting
+    Reliability in Large-Scale ML Research Clusters").
     """
 
     detect_s: float = 0.05

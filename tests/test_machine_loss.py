@@ -274,26 +274,6 @@ def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 
-def test_an_unneeded_standby_leaves_when_the_job_ends(tmp_path, references):
-    """A standby of a job that loses no machine exits 0 when the job is over, and it never
-    took a rank: the job's weights are those of a 2-machine run."""
-    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id]
-    out = str(tmp_path / "final.pt")
-    a = machine(tmp_path, "a", common, out, step_time="0.02")
-    wait_until(lambda: listening(port), 60, "the store host", [a])
-    s = machine(tmp_path, "s", common + ["--standby"], out, step_time="0.02")
-    b = machine(tmp_path, "b", common, out, step_time="0.02")
-    codes = finish([a, b, s], 180)
-    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in "abs"}
-    assert codes == [0, 0, 0], logs
-    assert "finished without needing this standby" in logs["s"], logs["s"]
-    assert not of(s.run_dir, "start")
-    assert sorted(of(m.run_dir, "start")[0]["node"] for m in (a, b)) == [0, 1]
-    assert_bitwise_equal(out, references(2))
-
-
 def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(tmp_path, references):
     """3 machines and one standby; two machines are lost at once -- both holders of some
     machine's copies.  The standby takes one place, nobody takes the other within the

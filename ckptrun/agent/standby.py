@@ -158,6 +158,8 @@ def _take(store, n: int, token: str):
     membership, node = str(place["membership"]), int(place["node"])
     wait_keys(store, [f"{K}offer/{membership}"], FOLLOW_S)
     offer = json.loads(_text(store.get(f"{K}offer/{membership}")))
+    if node not in offer["lost"] or not 0 <= node < int(offer["nnodes"]):
+        raise ValueError(f"place {n} names node {node}, which its offer did not free")
     key = f"{K}taken/{membership}/{node}"
     if _text(store.compare_set(key, "", token)) != token:
         return "round", None  # the survivors stopped waiting: they re-form in torch's round
@@ -209,7 +211,14 @@ def wait_for_a_place(agent) -> Optional[int]:
                     counted = True
                 n = _claim(store, agent.token) if thread is None else None
                 if n is not None:
-                    how, info = _take(store, n, agent.token)
+                    try:
+                        how, info = _take(store, n, agent.token)
+                    except (ValueError, KeyError, TypeError, TimeoutError) as e:
+                        # a record that is not a place (forged, or from a broken offer):
+                        # not this standby's end, it waits for the next one
+                        print(f"ckptrun: standby: place {n} cannot be taken ({e}); still "
+                              "waiting", file=sys.stderr)
+                        continue
                     if how == "member":
                         store.add(WAITING, -1)
                         counted = False
