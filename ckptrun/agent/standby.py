@@ -49,7 +49,7 @@ import uuid
 from typing import List, Optional
 
 from ckptrun.agent.rendezvous import KEY_PREFIX, NodeInfo
-from ckptrun.tiers.peer.standby_copies import StandbyHolder, standby_host
+from ckptrun.tiers.peer.standby_copies import StandbyHolder
 
 K = KEY_PREFIX + "standby/"
 WAITING, OVER = K + "waiting", K + "over"
@@ -168,11 +168,11 @@ def _take(store, n: int, token: str):
     return "member", _next_info(store, offer, node)
 
 
-def wait_for_a_place(agent) -> Optional[int]:
+def wait_for_a_place(agent, join_round, local_address) -> Optional[int]:
     """Wait, warm, until this standby has taken a lost machine's place (``None``: the agent
     goes on as a member, ``agent.info`` and its tiers set) or the job ended without needing
-    it (the exit code)."""
-    from ckptrun.agent.membership import join_round
+    it (the exit code).  ``join_round`` and ``local_address`` are membership's (passed in:
+    membership imports this module)."""
     from ckptrun.store.kvstore import own_client
 
     # its own client: a torch round's handler talks to the store on the other one
@@ -184,7 +184,7 @@ def wait_for_a_place(agent) -> Optional[int]:
     if cfg.secret is not None and cfg.replicas > 1 and \
             os.environ.get("CKPTRUN_STANDBY_COPIES", "1") != "0":
         holder = StandbyHolder(cfg, own_client(agent.rdzv.store), agent.token,
-                               standby_host(cfg))
+                               _host(cfg, local_address))
     agent.standby_holder = holder
     agent.events.emit("standby", waiting=True,
                       holds_copies=holder is not None)
@@ -275,3 +275,11 @@ def _leave(why: str, code: int) -> int:
     print(f"ckptrun: standby: {why}", file=sys.stderr)
     return code
 
+
+
+def _host(cfg, local_address) -> str:
+    """Where the standby's replica server listens (where members reach it)."""
+    try:
+        return local_address(cfg, "127.0.0.1")
+    except (OSError, ValueError):
+        return "127.0.0.1"

@@ -31,7 +31,7 @@ from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr,
 from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.agent.inplace import hand_over, hot_spare_ready, keepable, unwind
-from ckptrun.agent.membership import NodeLost, join_round, replace_nodes
+from ckptrun.agent.membership import NodeLost, join_round, local_address, replace_nodes
 from ckptrun.agent.metrics import AgentMetrics, MetricsServer
 from ckptrun.agent.reaper import Reaper, unlink_shm
 from ckptrun.agent.rendezvous import (
@@ -155,7 +155,7 @@ class Agent:
         self.rdzv = Rendezvous(cfg, on_forged=lambda key: self.events.emit(
             "store_forged", key=key[-120:]))
         if cfg.standby:
-            code = wait_for_a_place(self)
+            code = wait_for_a_place(self, join_round, local_address)
             if code is not None:
                 return code
         elif not join_round(self):

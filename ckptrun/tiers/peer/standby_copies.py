@@ -74,16 +74,6 @@ class StandbyHolder:
         self.server.stop()
 
 
-def standby_host(cfg) -> str:
-    """The address a standby's replica server listens on (where members reach it)."""
-    from ckptrun.agent.membership import local_address
-
-    try:
-        return local_address(cfg, "127.0.0.1")
-    except (OSError, ValueError):
-        return "127.0.0.1"
-
-
 class StandbyTargets:
     """Where a member pushes its round copies besides its placement peers."""
 
