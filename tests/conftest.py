@@ -87,3 +87,33 @@ def _cold_restarts_unless_marked(request, monkeypatch):
 # whole session (module- and session-scoped fixtures start jobs before any function-scoped
 # fixture runs).  The tests of a job without one remove it themselves.
 os.environ.setdefault("CKPTRUN_SECRET", os.urandom(32).hex())
+
+
+@pytest.fixture
+def token():
+    """A job token of this test's own: the shared-memory files named after it go with it."""
+    import uuid
+
+    tok = "test" + uuid.uuid4().hex[:8]
+    yield tok
+    for f in glob.glob(f"/dev/shm/ckptrun-{tok}*"):
+        os.unlink(f)
+
+
+# The modules that simulate machines (tests/machines.py) use these two with
+# ``pytestmark = pytest.mark.usefixtures("namespaces")``.
+@pytest.fixture(scope="module")
+def namespaces():
+    """Skips the module where private-memory machines cannot be simulated."""
+    from machines import require_namespaces
+
+    require_namespaces()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """``references(world)``: the final weights of a failure-free run with ``world`` ranks
+    (``machines.reference_weights``)."""
+    from machines import reference_weights
+
+    return reference_weights(tmp_path_factory)

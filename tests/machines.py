@@ -165,3 +165,4 @@ def peer_copies(run_dir: str) -> List[dict]:
         return load_status(run_dir)["checkpoint"]["peers"]
     except (OSError, ValueError, KeyError):
         return []
+

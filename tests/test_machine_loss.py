@@ -23,7 +23,7 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import List
 
 import pytest
 from conftest import ckptrun_cmd
@@ -37,25 +37,14 @@ from machines import (
     of,
     peer_copies,
     recovery,
-    reference_weights,
-    require_namespaces,
     status,
     wait_until,
 )
 
 from ckptrun.tiers.peer import placement
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("namespaces")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def namespaces():
-    require_namespaces()
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory) -> Callable[[int], dict]:
-    return reference_weights(tmp_path_factory)
 
 
 @dataclass

@@ -48,14 +48,6 @@ def read_data(path: str) -> bytes:
 
 
 @pytest.fixture
-def token():
-    tok = "test" + uuid.uuid4().hex[:8]
-    yield tok
-    for f in glob.glob(f"/dev/shm/ckptrun-{tok}*"):
-        os.unlink(f)
-
-
-@pytest.fixture
 def server(token):
     refused = []
     received = []

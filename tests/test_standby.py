@@ -8,7 +8,6 @@ runs beside other tests.
 from __future__ import annotations
 
 import uuid
-from typing import Callable
 
 import pytest
 from machines import (
@@ -18,22 +17,11 @@ from machines import (
     listening,
     machine,
     of,
-    reference_weights,
-    require_namespaces,
     wait_until,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("namespaces")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def namespaces():
-    require_namespaces()
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory) -> Callable[[int], dict]:
-    return reference_weights(tmp_path_factory)
 
 
 def test_an_unneeded_standby_leaves_when_the_job_ends(tmp_path, references):

@@ -3,12 +3,9 @@ rendezvous handler's store and push it their round copies; it keeps only the pla
 
 from __future__ import annotations
 
-import glob
 import os
-import uuid
 from types import SimpleNamespace
 
-import pytest
 import torch.distributed as dist
 from test_replication import make_slot, read_data
 
@@ -17,14 +14,6 @@ from ckptrun.tiers.peer.copies import MapCache, PeerStore
 from ckptrun.tiers.peer.standby_copies import StandbyHolder, StandbyTargets, describe
 
 SECRET = b"a test job secret of enough bytes"
-
-
-@pytest.fixture
-def token():
-    tok = "test" + uuid.uuid4().hex[:8]
-    yield tok
-    for f in glob.glob(f"/dev/shm/ckptrun-{tok}*"):
-        os.unlink(f)
 
 
 def cfg(nnodes: int = 2, nproc: int = 2):

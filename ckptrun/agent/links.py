@@ -24,9 +24,9 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from ckptrun.store.kvstore import wait_keys
+from ckptrun.store.kvstore import agreed_secret, as_text, wait_keys
 from ckptrun.tiers.peer.channel import Channel, ChannelError
-from ckptrun.tiers.peer.wire import AuthError, connect, server_handshake
+from ckptrun.tiers.peer.wire import AuthError, connect, parse_address, server_handshake
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,8 @@ class Links:
                 wait_keys(store, [f"{KEY}{other}"], CONNECT_TIMEOUT_S, stop=self._closing)
                 if self._closing.is_set():
                     return
-                raw = store.get(f"{KEY}{other}")
-                host, _, port = (raw.decode() if isinstance(raw, bytes) else raw).rpartition(":")
-                ch = connect((host, int(port)), self.secret, str(self.node),
+                ch = connect(parse_address(as_text(store.get(f"{KEY}{other}"))), self.secret,
+                             str(self.node),
                              timeout=HANDSHAKE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 -- the heartbeat still covers that node
                 log.info("no link to node %d: %s", other, e)
@@ -148,14 +147,11 @@ class Links:
 def links_secret(cfg, store) -> bytes:
     """The links' key: from the job secret (never in the store), or for an ``--insecure``
     job one agreed in the store, as replication does there."""
-    import secrets
-
     from ckptrun.protocol.job_secret import job_key
 
     if cfg.secret is not None:
         return job_key(cfg.secret, f"{cfg.rdzv_id}|links")
-    got = store.compare_set(f"{KEY}secret", "", secrets.token_hex(32))
-    return bytes.fromhex(got.decode() if isinstance(got, bytes) else got)
+    return agreed_secret(store, f"{KEY}secret")
 
 
 def start_links(cfg, store, node: int, nnodes: int, host: Optional[str]) -> Optional[Links]:

@@ -196,15 +196,15 @@ def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = N
         info.store.compare_set(KEY_PREFIX + "epoch", "", epoch.encode())
     agent.epoch = agent.coord.init()
     agent.live = None
+    agent._own_addr = (_own_address(agent.cfg, info.master_addr)
+                       if info.group_world_size > 1 else None)
     if info.group_world_size > 1:
-        # its own client: a heartbeat queued behind other threads' waits reads as a death
         links = start_links(agent.cfg, info.store, info.group_rank, info.group_world_size,
-                            _own_address(agent.cfg, info.master_addr))
+                            agent._own_addr)
+        # its own client: a heartbeat queued behind other threads' waits reads as a death
         agent.live = Liveness(own_client(info.store), info.group_rank,
                               info.group_world_size, links=links).start()
         agent.coord.check = agent.live.check
-    agent._own_addr = (_own_address(agent.cfg, info.master_addr)
-                       if info.group_world_size > 1 else None)
     agent.tiers = build_tiers(TierContext(
         cfg=agent.cfg, node=info.group_rank, nnodes=info.group_world_size, store=info.store,
         memory=agent.memory, control=agent.control, token=agent.token, emit=agent.events.emit,

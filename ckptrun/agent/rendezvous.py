@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun.config import AgentConfig
 from ckptrun.protocol.job_secret import ENV_SECRET, ENV_SECRET_FILE, job_key, local_secret
-from ckptrun.store.kvstore import wait_keys
+from ckptrun.store.kvstore import as_text, wait_keys
 
 KEY_PREFIX = "ckptrun/"
 RUN, FAILED, FATAL = "run", "failed", "fatal"
@@ -148,8 +148,8 @@ class Rendezvous:
                 store = AuthenticatedStore(store, self.key, self.on_forged)
         membership = None
         if self.store is not None:
-            got = info.store.compare_set(KEY_PREFIX + "membership", "", uuid.uuid4().hex)
-            membership = got.decode() if isinstance(got, bytes) else got
+            membership = as_text(info.store.compare_set(KEY_PREFIX + "membership", "",
+                                                        uuid.uuid4().hex))
         return NodeInfo(store, info.rank, info.world_size, addr, int(port),
                         self.handler.get_run_id(), bool(self.handler.use_agent_store),
                         membership)
@@ -181,7 +181,7 @@ class Epoch:
 
     @classmethod
     def decode(cls, raw) -> Epoch:
-        a, r, s = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
+        a, r, s = as_text(raw).split(":")
         return cls(int(a), int(r), s)
 
 

@@ -49,20 +49,18 @@ import uuid
 from typing import List, Optional
 
 from ckptrun.agent.rendezvous import KEY_PREFIX, NodeInfo
+from ckptrun.store.kvstore import as_text, own_client, wait_keys
 from ckptrun.tiers.peer.standby_copies import StandbyHolder
 
 K = KEY_PREFIX + "standby/"
 WAITING, OVER = K + "waiting", K + "over"
 PLACES, WANTED, CLAIMED = K + "places", K + "wanted", K + "claimed"
 NONE = "none"
+NOT_NEEDED = "the job finished without needing this standby machine"
 POLL_S = 0.05
 TAKE_S = 2.0  # how long survivors wait for standbys to take the offered places
 FOLLOW_S = 10.0  # how long a survivor or standby waits for the others' keys of an offer
 RELEASE_S = 3.0  # the longest a member waits at its end for the standbys to see it
-
-
-def _text(v) -> str:
-    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
 
 
 def _membership_store(raw, membership: str):
@@ -86,7 +84,7 @@ def offer_places(agent, lost_nodes: List[int]) -> Optional[NodeInfo]:
                            "nnodes": info.group_world_size, "master_addr": info.master_addr,
                            "master_port": info.master_port, "run_id": info.run_id,
                            "use_agent_store": info.use_agent_store})
-        got = _text(raw.compare_set(f"{K}offer/{info.membership}", "", mine))
+        got = as_text(raw.compare_set(f"{K}offer/{info.membership}", "", mine))
         offer = json.loads(got)
         if got == mine:  # this agent's offer stands: publish its places
             for g in offer["lost"]:
@@ -112,7 +110,7 @@ def _settle(raw, membership: str, lost: List[int], wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while not raw.check(keys) and time.monotonic() < deadline:
         time.sleep(POLL_S / 2)
-    return all(_text(raw.compare_set(k, "", NONE)) != NONE for k in keys)
+    return all(as_text(raw.compare_set(k, "", NONE)) != NONE for k in keys)
 
 
 def _next_info(raw, offer: dict, rank: int) -> NodeInfo:
@@ -139,29 +137,27 @@ def _claim(store, token: str) -> Optional[int]:
     """Claim one offered place (its number), if one is free."""
     while True:
         wanted = store.add(WANTED, 0)
-        cur = _text(store.compare_set(CLAIMED, "", "0:"))
+        cur = as_text(store.compare_set(CLAIMED, "", "0:"))
         claimed = int(cur.partition(":")[0])
         if claimed >= wanted:
             return None
         mine = f"{claimed + 1}:{token}"
-        if _text(store.compare_set(CLAIMED, cur, mine)) == mine:
+        if as_text(store.compare_set(CLAIMED, cur, mine)) == mine:
             return claimed + 1
 
 
 def _take(store, n: int, token: str):
     """The claimed place ``n``: (``"member"``, NodeInfo) when the takeover goes ahead,
     (``"round"``, None) when it falls back to torch's round with this standby in it."""
-    from ckptrun.store.kvstore import wait_keys
-
     wait_keys(store, [f"{K}place/{n}"], FOLLOW_S)
-    place = json.loads(_text(store.get(f"{K}place/{n}")))
+    place = json.loads(as_text(store.get(f"{K}place/{n}")))
     membership, node = str(place["membership"]), int(place["node"])
     wait_keys(store, [f"{K}offer/{membership}"], FOLLOW_S)
-    offer = json.loads(_text(store.get(f"{K}offer/{membership}")))
+    offer = json.loads(as_text(store.get(f"{K}offer/{membership}")))
     if node not in offer["lost"] or not 0 <= node < int(offer["nnodes"]):
         raise ValueError(f"place {n} names node {node}, which its offer did not free")
     key = f"{K}taken/{membership}/{node}"
-    if _text(store.compare_set(key, "", token)) != token:
+    if as_text(store.compare_set(key, "", token)) != token:
         return "round", None  # the survivors stopped waiting: they re-form in torch's round
     if not _settle(store, membership, offer["lost"], wait_s=FOLLOW_S):
         return "round", None
@@ -173,8 +169,6 @@ def wait_for_a_place(agent, join_round, local_address) -> Optional[int]:
     goes on as a member, ``agent.info`` and its tiers set) or the job ended without needing
     it (the exit code).  ``join_round`` and ``local_address`` are membership's (passed in:
     membership imports this module)."""
-    from ckptrun.store.kvstore import own_client
-
     # its own client: a torch round's handler talks to the store on the other one
     store, t0 = own_client(agent.rdzv.store), time.monotonic()
     cfg = agent.cfg
@@ -205,7 +199,7 @@ def wait_for_a_place(agent, join_round, local_address) -> Optional[int]:
             agent._write_status()
             try:
                 if store.check([OVER]):
-                    return _leave("the job finished without needing this standby machine", 0)
+                    return _leave(NOT_NEEDED, 0)
                 if not counted:
                     store.add(WAITING, 1)
                     counted = True
@@ -244,8 +238,7 @@ def wait_for_a_place(agent, join_round, local_address) -> Optional[int]:
                 if "error" in joined:
                     e = joined["error"]
                     if _closed(e):
-                        return _leave("the job finished without needing this standby machine",
-                                      0)
+                        return _leave(NOT_NEEDED, 0)
                     print(f"ckptrun: standby: rendezvous failed: {type(e).__name__}: {e}",
                           file=sys.stderr)
                     return 1
@@ -274,7 +267,6 @@ def _closed(e: BaseException) -> bool:
 def _leave(why: str, code: int) -> int:
     print(f"ckptrun: standby: {why}", file=sys.stderr)
     return code
-
 
 
 def _host(cfg, local_address) -> str:

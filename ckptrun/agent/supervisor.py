@@ -579,8 +579,6 @@ class Agent:
                          sig=self.stopped_by or signal.SIGTERM)
             for tier in self.tiers:  # e.g. the final persist of a job that succeeded or
                 tier.finished(code, stopped=self.stopped_by is not None)  # was preempted
-            if getattr(self, "live", None) is not None:
-                self.live.stop()
         finally:
             if getattr(self, "live", None) is not None:  # the goodbye on the agents' links
                 with contextlib.suppress(Exception):

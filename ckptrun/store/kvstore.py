@@ -25,6 +25,20 @@ def as_bytes(value) -> bytes:
     return value if isinstance(value, (bytes, bytearray)) else str(value).encode()
 
 
+def as_text(value) -> str:
+    """A store value as text: torch's stores return ``bytes``, Python-written ones ``str``."""
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def agreed_secret(store, key: str) -> bytes:
+    """``--insecure`` jobs only: a random key that the first agent to ask puts in the store
+    at ``key`` (anyone who reads the store then has it; a job with a secret never uses this)."""
+    import secrets
+
+    mine = secrets.token_hex(32)
+    return bytes.fromhex(as_text(store.compare_set(key, "", mine)) or mine)
+
+
 def own_client(store):
     """A client of the same store (same prefix) that no other thread waits on.
 

@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ckptrun.protocol import SlotState
-from ckptrun.store.kvstore import own_client, wait_keys
+from ckptrun.store.kvstore import as_text, own_client, wait_keys
 from ckptrun.tiers.durable import storage
 
 log = logging.getLogger(__name__)
@@ -225,8 +225,7 @@ class PersistRounds:
         must never sit in a long store call when the agent exits."""
         if not wait_keys(self.store, [key], WAIT_S, stop=self._stop):
             raise RuntimeError(f"stopped while waiting for {key}")
-        raw = self.store.get(key)
-        return raw.decode() if isinstance(raw, bytes) else raw
+        return as_text(self.store.get(key))
 
 
 def _check_visible(url: str, step: int, parts: List[Dict[str, Any]]) -> None:

@@ -27,18 +27,16 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ckptrun.protocol.job_secret import job_key
+from ckptrun.store.kvstore import as_text
 from ckptrun.tiers.peer.copies import PeerStore
 from ckptrun.tiers.peer.server import ReplicaServer, push
+from ckptrun.tiers.peer.wire import parse_address
 
 log = logging.getLogger(__name__)
 
 COUNT = "ckptrun/standby/servers"
 SERVER = "ckptrun/standby/server/"
 REFRESH_S = 1.0  # how often a member looks for standbys that came or went
-
-
-def _text(v) -> str:
-    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
 
 
 class StandbyHolder:
@@ -92,10 +90,11 @@ class StandbyTargets:
                 keys = [f"{SERVER}{i}" for i in range(1, n + 1)]
                 vals = self.store.multi_get(keys) if n and self.store.check(keys) else []
                 addrs = []
-                for v in vals:
-                    host, _, port = _text(v).rpartition(":")
-                    if host and port.isdigit():
-                        addrs.append((host, int(port)))
+                for v in vals:  # a standby that left blanks its entry
+                    with contextlib.suppress(ValueError):
+                        host, port = parse_address(as_text(v))
+                        if host:
+                            addrs.append((host, port))
                 self._addrs = addrs
             except Exception as e:  # noqa: BLE001 -- no standbys this round
                 log.debug("standby addresses: %s", e)

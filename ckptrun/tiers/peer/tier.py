@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 from ckptrun import protocol as P
 from ckptrun.protocol.job_secret import job_key
-from ckptrun.store.kvstore import own_client, wait_keys
+from ckptrun.store.kvstore import agreed_secret, as_text, own_client, wait_keys
 from ckptrun.tiers.interface import Tier, TierContext
 from ckptrun.tiers.peer import placement
 from ckptrun.tiers.peer.beat_windows import BeatWindows
@@ -38,7 +37,7 @@ from ckptrun.tiers.peer.copies import PeerStore, copy_slot_file
 from ckptrun.tiers.peer.pacing import Pacer
 from ckptrun.tiers.peer.server import ReplicaServer, fetch, inventory, push
 from ckptrun.tiers.peer.standby_copies import StandbyTargets
-from ckptrun.tiers.peer.wire import lower_thread_priority
+from ckptrun.tiers.peer.wire import lower_thread_priority, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class ReplicaTier(Tier):
         # the job key: from the user's secret, which never goes through the store; only an
         # --insecure job agrees one there (anyone who reads the store then has it)
         self.secret = job_key(cfg.secret, cfg.rdzv_id) if cfg.secret is not None \
-            else bytes.fromhex(self._agree_secret())
+            else agreed_secret(self.store, f"{KEY}secret")
         self.nice = replication_nice()
         self.pacer = Pacer(cfg.replication_budget)
         self.windows = BeatWindows(self.pacer, ctx.control, cfg.nproc_per_node)
@@ -371,16 +370,9 @@ class ReplicaTier(Tier):
         return None if k is None else P.slot_path(self.memory.slot_prefix(rank), k)
 
     # -- store ---------------------------------------------------------------------------
-    def _agree_secret(self) -> str:
-        """``--insecure`` only: a per-job key that the first agent to ask puts in the store."""
-        mine = secrets.token_hex(32)
-        got = self.store.compare_set(f"{KEY}secret", "", mine)
-        return (got.decode() if isinstance(got, bytes) else got) or mine
-
     def _addr(self, node: int, store=None) -> Tuple[str, int]:
-        raw = (self.store if store is None else store).get(f"{KEY}addr/{node}")
-        host, _, port = (raw.decode() if isinstance(raw, bytes) else raw).rpartition(":")
-        return host, int(port)
+        return parse_address(as_text((self.store if store is None else store).get(
+            f"{KEY}addr/{node}")))
 
     def _refused(self, peer: str) -> None:
         self.ctx.emit("replication_refused", peer=peer)

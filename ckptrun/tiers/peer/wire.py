@@ -166,6 +166,12 @@ def client_handshake(sock: socket.socket, secret: bytes, node: str) -> Channel:
     return Channel(sock, *session_keys(secret, nonce, mine, is_server=False))
 
 
+def parse_address(text: str) -> Tuple[str, int]:
+    """``"host:port"`` as an agent publishes its listening address in the store."""
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
 def connect(addr: Tuple[str, int], secret: bytes, node: str, timeout: float = 10.0) -> Channel:
     """An authenticated, sealed channel to the replica server at ``addr``."""
     sock = socket.create_connection(addr, timeout=timeout)
