@@ -81,7 +81,11 @@ def wait_until(pred, timeout: float, what: str, procs=()):
             assert p.poll() is None, (f"{what}: a machine exited early ({p.returncode}): "
                                       + _tail(getattr(p, "log_path", None)))
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    # every machine's log tail: a timeout in a loaded full run must be diagnosable from
+    # the report alone, since it rarely recurs when the test is run by itself
+    tails = "".join(f"\n--- {getattr(p, 'log_path', '?')}\n" + _tail(getattr(p, "log_path", None), 2500)
+                    for p in procs)
+    raise AssertionError(f"timed out waiting for {what}{tails}")
 
 
 def _tail(path: Optional[str], n: int = 4000) -> str:

@@ -58,7 +58,8 @@ class Loss:
 def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      victim_step: int = 10, persisted: bool = False,
                      replicated: bool = False, measured: bool = False,
-                     standbys: int = 0, standby_copies: bool = True) -> Loss:
+                     standbys: int = 0, standby_copies: bool = True,
+                     stagger_s: float = 0.0) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
     after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
     -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
@@ -66,7 +67,8 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     ``persisted``: also wait for a durable step before the loss; ``replicated``: for every
     machine holding a copy of a victim's snapshots (``ckptrun status``: checkpoint.peers);
     ``measured``: for every agent's pacer to have measured what a round costs (until then
-    rounds run only every 2-3 steps, see docs/multinode.md, and the lag is not the job's)."""
+    rounds run only every 2-3 steps, see docs/multinode.md, and the lag is not the job's);
+    ``stagger_s``: the victims die that far apart (the survivors see them lost one by one)."""
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
     common = ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
@@ -104,7 +106,9 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
         at = max(w.get("step", 0) for v in lost for w in status(v.run_dir).get("workers", []))
         assert at <= STEPS - 10, f"the job was at step {at} of {STEPS} when it was ready"
         t_loss = time.monotonic()
-        for v in lost:  # the agents: their reapers take the workers with them
+        for i, v in enumerate(lost):  # the agents: their reapers take the workers with them
+            if i and stagger_s:
+                time.sleep(stagger_s)
             os.kill(v.pid, signal.SIGKILL)
         for v in lost:
             v.wait(timeout=30)
@@ -263,28 +267,34 @@ def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 
-@pytest.mark.xfail(strict=False, reason="passed alone; timed out once in the full run "
-                   "(a's first step after the fallback round), not yet understood")
-def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(tmp_path, references):
-    """3 machines and one standby; two machines are lost at once -- both holders of some
-    machine's copies.  The standby takes one place, nobody takes the other within the
-    offer's time, so the survivor, the standby and a replacement started by hand meet in a
-    round of torch's rendezvous instead.  The standby held every machine's copies, so the
-    placement group's loss costs no trip to storage: everyone restores the same step from
-    memory, the replacement pulling its ranks from the standby."""
+@pytest.mark.parametrize("stagger_s", [0.0, 0.3], ids=["together", "one-by-one"])
+def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(
+        tmp_path, references, stagger_s):
+    """3 machines and one standby; two machines are lost -- both holders of some machine's
+    copies.  The standby takes one place, nobody takes the other, so the survivor, the
+    standby and a replacement started by hand meet in a round of torch's rendezvous instead.
+    ``together``: the survivor sees both losses at once and offers both places; nobody takes
+    the second within the offer's time.  ``one-by-one``: it sees b lost first and the
+    standby takes b's place, but c (lost 0.3 s later) never joins that membership -- or
+    joins it and is lost from it -- and everyone re-forms in torch's round rather than
+    waiting for c (this hung the job once).  The standby held every machine's copies, so
+    the placement group's loss costs no trip to storage: everyone restores the same step
+    from memory, the replacement pulling its ranks from a holder.  The durable store is
+    written only at step 40, after the loss, so that storage cannot win by being newer."""
     store = tmp_path / "durable"
     loss = lose_and_replace(
-        tmp_path, ["--replicas", "2", "--persist-every", "5", "--persist-to", str(store)],
-        nnodes=3, victims=2, persisted=True, replicated=True, standbys=1)
+        tmp_path, ["--replicas", "2", "--persist-every", "40", "--persist-to", str(store)],
+        nnodes=3, victims=2, replicated=True, standbys=1, stagger_s=stagger_s)
     holders = placement.placement(3, 2)
     assert any(set(hs) <= set(loss.lost_nodes) for hs in holders), (holders, loss.lost_nodes)
     (a,), (s, x) = loss.survivors, loss.newcomers
     assert of(s.run_dir, "standby_joined")
     assert sorted(of(m.run_dir, "start")[0]["node"] for m in (s, x)) == loss.lost_nodes
-    restart = recovery(a.run_dir, "restart")
-    assert "standby_took" not in restart, restart  # the round, not a takeover
+    # the restart that ended the recovery was torch's round, not a takeover
+    assert "standby_took" not in of(a.run_dir, "restart")[-1], of(a.run_dir, "restart")
     restored = [recovery(m.run_dir) for m in (a, s, x)]
-    assert [r["tier"] for r in restored] == ["memory", "memory", "peer"], restored
+    assert [r["tier"] for r in restored[:2]] == ["memory", "memory"], restored
+    assert restored[2]["tier"] in ("memory", "peer"), restored
     assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
     report("3 machines, two lost, one standby", loss, restored[0]["step"])
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))

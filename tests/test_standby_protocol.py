@@ -93,3 +93,48 @@ def test_a_place_that_its_offer_did_not_free_is_refused():
     store.set(f"{standby.K}place/2", "not json")
     with pytest.raises(ValueError):
         standby._take(store, 2, "tokS")
+
+
+def test_a_takeover_whose_member_never_comes_is_not_formed_for_anyone():
+    """A machine lost just after the one the offer named (its link broke a moment later)
+    never joins the takeover's membership: both who came hear "not formed" -- even the one
+    that checks after the deadline, when it might see every key but the dead one's -- and
+    they re-form in torch's round instead of waiting for it."""
+    from ckptrun.agent.membership import NotFormed, assign_ranks
+
+    store = dist.HashStore()
+    errors = []
+
+    def member(rank):
+        try:
+            assign_ranks(store, rank, 3, rank, None, timeout_s=0.3, agreed=True)
+        except NotFormed as e:
+            errors.append((rank, str(e)))
+
+    ts = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]  # 2 never comes
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(5)
+    assert sorted(r for r, _ in errors) == [0, 1], errors
+    # a member arriving late sees every key now, but the verdict stands
+    store.set("ckptrun/member/2", json.dumps({"old": 2, "epoch": None}))
+    with pytest.raises(NotFormed):
+        assign_ranks(store, 2, 3, 2, None, timeout_s=0.3, agreed=True)
+
+
+def test_a_takeover_whose_members_all_come_is_formed():
+    from ckptrun.agent.membership import assign_ranks
+
+    store = dist.HashStore()
+    ranks = {}
+
+    def member(rank):
+        ranks[rank] = assign_ranks(store, rank, 3, rank, None, timeout_s=5, agreed=True)[0]
+
+    ts = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert ranks == {0: 0, 1: 1, 2: 2}

@@ -33,7 +33,7 @@ from ckptrun.agent.links import Links, start_links
 from ckptrun.agent.rendezvous import KEY_PREFIX, RUN, Epoch, JobCoordinator
 from ckptrun.agent.standby import offer_places
 from ckptrun.config import AgentConfig
-from ckptrun.store.kvstore import own_client
+from ckptrun.store.kvstore import as_text, own_client, wait_keys
 from ckptrun.tiers.interface import TierContext
 from ckptrun.tiers.stack import build_tiers
 
@@ -144,18 +144,41 @@ class Liveness:
             raise NodeLost(gone, silent, "link" if set(gone) <= set(broken) else "heartbeat")
 
 
+FORMED = KEY_PREFIX + "formed"
+TAKEOVER_FORM_S = 5.0  # how long the members of a standby takeover wait for each other
+
+
+class NotFormed(Exception):
+    """A standby takeover's membership did not form: some member never came (a machine
+    lost moments after the loss the offer named).  Everyone re-forms in torch's round."""
+
+
 def assign_ranks(store, torch_rank: int, world: int, old_rank: Optional[int],
-                 epoch: Optional[Epoch], timeout_s: float = 300.0
+                 epoch: Optional[Epoch], timeout_s: float = 300.0, agreed: bool = False
                  ) -> Tuple[int, Optional[Epoch]]:
     """This node's group rank in the new round, and the job's epoch (None: a fresh job).
 
     Survivors keep ``old_rank`` (if it still fits the world), newcomers take the free ranks
     in torch's round order; the epoch is the most advanced one any survivor carries.
+
+    ``agreed`` (a standby takeover's membership, which no round of torch's vouched for): a
+    member missing after ``timeout_s`` raises :class:`NotFormed` -- for every member alike,
+    as one ``compare_set`` decides; otherwise one member could form the group with a key
+    that arrived just after another gave up, and wait for it forever.
     """
     store.set(f"{MEMBER}{torch_rank}", json.dumps(
         {"old": old_rank, "epoch": epoch.encode() if epoch else None}))
     keys = [f"{MEMBER}{t}" for t in range(world)]
-    store.wait(keys, timedelta(seconds=timeout_s))
+    if agreed:
+        try:
+            wait_keys(store, keys, timeout_s)
+            verdict = "formed"
+        except TimeoutError:
+            verdict = "failed"
+        if as_text(store.compare_set(FORMED, "", verdict)) != "formed":
+            raise NotFormed(f"not every member of the takeover came within {timeout_s:.0f} s")
+    else:
+        store.wait(keys, timedelta(seconds=timeout_s))
     recs = [json.loads(v) for v in store.multi_get(keys)]
 
     def keeps(rec) -> bool:
@@ -172,19 +195,25 @@ def assign_ranks(store, torch_rank: int, world: int, old_rank: Optional[int],
 
 
 def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = None,
-               joined=None) -> bool:
+               joined=None, takeover: bool = False) -> bool:
     """A round of torch's rendezvous (``joined``: a membership formed already -- one a
-    standby's round completed, or one a standby took places in, :mod:`.standby`), then our
-    own stable group ranks (survivors keep theirs) and the job's epoch carried over; the
-    tiers are (re-)created for it.  False: no round could be completed (e.g. fewer than MIN
-    machines before the join timeout)."""
+    standby's round completed, or, with ``takeover``, the one a standby took places in,
+    :mod:`.standby`), then our own stable group ranks (survivors keep theirs) and the job's
+    epoch carried over; the tiers are (re-)created for it.  A takeover whose members do not
+    all come falls back to torch's round.  False: no round could be completed (e.g. fewer
+    than MIN machines before the join timeout)."""
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     try:
         info = joined if joined is not None else agent.rdzv.join()
         if info.group_world_size > 1:
-            rank, epoch = assign_ranks(info.store, info.group_rank, info.group_world_size,
-                                       old_rank, epoch)
+            try:
+                rank, epoch = assign_ranks(
+                    info.store, info.group_rank, info.group_world_size, old_rank, epoch,
+                    **({"timeout_s": TAKEOVER_FORM_S, "agreed": True} if takeover else {}))
+            except NotFormed as e:
+                print(f"ckptrun: {e}; re-forming through the rendezvous", file=sys.stderr)
+                return join_round(agent, old_rank, epoch)
             info = dataclasses.replace(info, group_rank=rank)
     except (RendezvousError, RuntimeError) as e:  # torch's store errors are RuntimeErrors
         print(f"ckptrun: rendezvous failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -222,7 +251,7 @@ def replace_nodes(agent, lost: NodeLost) -> bool:
     for node in lost.nodes:  # the status file's recent failures get the event itself
         rec = agent.events.emit("node_lost", node=node, attempt=attempt,
                                 seconds_silent=round(lost.silent_s, 3), detected_by=lost.how,
-                                step=min(steps) if steps else None)
+                                step=min(steps) if steps and min(steps) >= 0 else None)
         agent.failures = (agent.failures + [rec])[-20:]
     agent.state = "restarting"
     agent._write_status(force=True)
@@ -238,11 +267,13 @@ def replace_nodes(agent, lost: NodeLost) -> bool:
         tier.close()
     if agent.epoch.state != RUN:
         return True  # the loop ends the job (budget spent)
-    if not join_round(agent, agent.info.group_rank, agent.epoch, joined=taken):
+    if not join_round(agent, agent.info.group_rank, agent.epoch, joined=taken,
+                      takeover=taken is not None):
         return False
+    took = taken is not None and agent.info.membership == taken.membership  # not re-formed
     agent.events.emit("restart", attempt=agent.epoch.attempt, restarts=agent.epoch.restarts,
                       nnodes=agent.info.group_world_size, node=agent.info.group_rank,
-                      **({"standby_took": sorted(lost.nodes)} if taken else {}))
+                      **({"standby_took": sorted(lost.nodes)} if took else {}))
     return True
 
 

@@ -221,7 +221,8 @@ def wait_for_a_place(agent, join_round, local_address) -> Optional[int]:
                             holder.keep_only([info.group_rank * nproc + lr
                                               for lr in range(nproc)])
                             agent.standby_holder = holder = None
-                        if not join_round(agent, info.group_rank, None, joined=info):
+                        if not join_round(agent, info.group_rank, None, joined=info,
+                                          takeover=True):
                             return 1
                         break
                     if holder is not None:
