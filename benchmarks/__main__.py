@@ -63,7 +63,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--hang-observe-s", type=float, help="recovery: how long to watch torchrun "
                     "with a hung rank (default 3 quick, 30 full)")
     ap.add_argument("--machine-loss-cases", help="machine_loss: STATE_MiB@STEP_S[@BUDGET] list "
-                    "(default 64@0.15 quick; 64@0.15,256@0.5,64@0,64@0@off full)")
+                    "(default 64@0.15 quick; 64@0.15,256@0.5,64@0,64@0@off full); a fourth field "
+                    "standby or standby-pull: a --standby machine takes the place")
+    ap.add_argument("--inplace-forms", help="inplace: comma list of plain, setup, compile, "
+                    "compile-kept (default all)")
     ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
     ap.add_argument("--steady-sizes", help="steady_state: comma list of 64M,256M,1G (quick: 64M)")
     ap.add_argument("--steady-steps", type=int, help="steady_state: steps per run (12 quick, 24)")
@@ -129,7 +132,8 @@ def run(argv: Optional[List[str]] = None) -> dict:
                            "hang_observe_s": args.hang_observe_s,
                            "overhead_steps": args.overhead_steps,
                            "steady_sizes": args.steady_sizes, "steady_steps": args.steady_steps,
-                           "machine_loss_cases": args.machine_loss_cases})
+                           "machine_loss_cases": args.machine_loss_cases,
+                           "inplace_forms": args.inplace_forms})
     started = time.monotonic()
     results: dict = {"meta": {
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

@@ -6,7 +6,15 @@ The recovery job (``benchmarks/jobs/recovery_job.py``, 2 ranks, gloo) in three f
 * ``set-up 5 s``: 5 s of per-process start-up outside the training function -- what a GPT
   script spends on its tokenizer, dataset index and data-loader workers before the loop
   (simulated with a sleep: the cost a restarted process pays again, whatever it is made of);
-* ``torch.compile``: the DDP model compiled at its first step (real compilation).
+* ``torch.compile``: the DDP model compiled at its first step (real compilation), built
+  inside the training function -- a survivor re-entering it builds a new model;
+* ``torch.compile, model kept``: the model built and compiled once per process, outside the
+  training function (``--compile-kept``), the DDP wrapper built around it in each attempt
+  -- what a survivor keeps, its compiled code included.
+
+For the compiled forms the job logs how many graphs torch.compile compiled in the attempt
+after the restore, per rank (``torch._dynamo``'s own counter): the survivor's (rank 0)
+count is the recompilation the goal asks to avoid.
 
 Each is run four ways: ckptrun with ``@ckptrun.resilient`` (``--in-place``: the rank that
 did not fail keeps its process) with ``--hot-spares`` (the replacement ran the script's
@@ -36,11 +44,12 @@ KILL_AT = 25
 SETUP_S = 5.0
 
 FORMS = {"plain": [], f"set-up {SETUP_S:.0f} s": ["--setup-s", str(SETUP_S)],
-         "torch.compile": ["--compile"]}
+         "torch.compile": ["--compile"], "torch.compile, model kept": ["--compile-kept"]}
 MODES = {"ckptrun in-place + hot spares": ("ckptrun", ["--in-place"]),
          "ckptrun in-place": ("ckptrun", ["--in-place"]), "ckptrun restart": ("ckptrun", []),
          "torchrun + torch.save/10": ("torchrun", [])}
 HOT = "ckptrun in-place + hot spares"
+FORM_IDS = dict(zip(("plain", "setup", "compile", "compile-kept"), FORMS))  # --inplace-forms
 
 COLUMNS = [("form", "job", "str"), ("mode", "recovery", "str"), ("bytes", "state/rank", "bytes"),
            ("median_s", "failure → first step (median)", "s"), ("min_s", "min", "s"),
@@ -48,6 +57,7 @@ COLUMNS = [("form", "job", "str"), ("mode", "recovery", "str"), ("bytes", "state
            ("detect_s", "detect", "s"), ("stop_s", "stop / unwind", "s"),
            ("start_s", "start", "s"), ("restore_s", "restore", "s"),
            ("first_step_s", "script → first step", "s"), ("steps_lost", "steps lost", "float"),
+           ("graphs", "graphs compiled after the restore (rank 0 survivor / rank 1)", "str"),
            ("reps", "reps", "int"), ("note", "note", "str")]
 
 
@@ -98,7 +108,13 @@ def inplace(ctx: Context) -> List[Row]:
     mb = state_mb(ctx)
     reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else ctx.reps))
     root = tempfile.mkdtemp(prefix="ckptrun-bench-inplace-", dir=ctx.tmpdir)
-    cases = [(f, m) for f in FORMS for m in MODES]
+    wanted = ctx.options.get("inplace_forms")
+    ids = [f.strip() for f in str(wanted).split(",")] if wanted else list(FORM_IDS)
+    unknown = [f for f in ids if f not in FORM_IDS]
+    if unknown:
+        raise ValueError(f"--inplace-forms: unknown {unknown}; known: {list(FORM_IDS)}")
+    forms = [FORM_IDS[f] for f in ids]
+    cases = [(f, m) for f in forms for m in MODES]
     names = [f"{f} | {m}" for f, m in cases]
 
     def one(rnd: int, name: str) -> Dict[str, object]:
@@ -112,6 +128,10 @@ def inplace(ctx: Context) -> List[Row]:
         sample.update(_phases(out.events))
         in_place = [e.get("in_place") for e in out.events if e.get("event") == "restart"]
         sample["kept"] = in_place[0] if in_place else None
+        graphs = {int(r["rank"]): int(r["graphs"]) for r in out.records("step", attempt=1)
+                  if "graphs" in r}
+        if graphs:
+            sample["graphs"] = [graphs.get(0), graphs.get(1)]
         if trigger.warm is not None:
             sample["spares_ready"] = trigger.warm
         shutil.rmtree(work, ignore_errors=True)
@@ -139,12 +159,15 @@ def inplace(ctx: Context) -> List[Row]:
             if mode.startswith("ckptrun in-place") and not all(s.get("kept") == [0]
                                                                 for s in good):
                 notes.append("rank 0 was not always kept: " + str([s.get("kept") for s in good]))
+            if any("graphs" in s for s in good):
+                row["graphs"] = ", ".join(
+                    f"{s['graphs'][0]} / {s['graphs'][1]}" for s in good if "graphs" in s)
             cold = sum(1 for s in good if s.get("spares_ready") is False)
             if cold:
                 notes.append(f"{cold} run(s) failed before the spares were ready")
         row["note"] = "; ".join(notes)
         rows.append(row)
-    for form in FORMS:
+    for form in forms:
         base = next((r for r in rows if r["form"] == form and r["mode"] == "ckptrun restart"
                      and r.get("median_s")), None)
         for r in rows:

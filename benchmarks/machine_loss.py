@@ -53,18 +53,31 @@ COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
 # (state MiB per rank, padded step time s): replicating a step must fit in a step time
 # (state MiB, padded step s, --replication-budget): the default budget, and for the
 # CPU-bound case also "off" -- the two sides of the trade where rounds cost training
-# (state MiB, padded step s, --replication-budget, a standby machine takes the place)
-QUICK_CASES = [(64, 0.15, "5%", False), (64, 0.15, "5%", True)]
-FULL_CASES = [(64, 0.15, "5%", False), (64, 0.15, "5%", True), (256, 0.5, "5%", False),
-              (256, 0.5, "5%", True), (64, 0.0, "5%", False), (64, 0.0, "off", False)]
+# (state MiB, padded step s, --replication-budget, who takes the place): "" a replacement
+# started after the loss; "standby" a --standby machine holding every round's copies;
+# "standby-pull" one holding none (CKPTRUN_STANDBY_COPIES=0) that pulls the lost rank's
+# copy from the survivor at the takeover -- rounds as cheap as without a standby
+QUICK_CASES = [(64, 0.15, "5%", ""), (64, 0.15, "5%", "standby")]
+FULL_CASES = [(64, 0.15, "5%", ""), (64, 0.15, "5%", "standby"), (256, 0.5, "5%", ""),
+              (256, 0.5, "5%", "standby"), (256, 0.5, "5%", "standby-pull"),
+              (64, 0.0, "5%", ""), (64, 0.0, "off", "")]
+STANDBY_KINDS = ("", "standby", "standby-pull")
+STANDBY_LABELS = {"": "", "standby": ", a --standby machine takes the place",
+                  "standby-pull": ", a --standby machine without copies "
+                                  "(CKPTRUN_STANDBY_COPIES=0) takes the place"}
 
 
-def _cases(ctx: Context) -> List[Tuple[int, float, str, bool]]:
+def _cases(ctx: Context) -> List[Tuple[int, float, str, str]]:
     opt = ctx.options.get("machine_loss_cases")
-    if opt:  # "64@0.15,256@0.5,64@0@off,64@0.15@5%@standby"
-        return [(int(p[0]), float(p[1]), p[2] if len(p) > 2 else "5%",
-                 len(p) > 3 and p[3] == "standby")
-                for p in (c.split("@") for c in str(opt).split(","))]
+    if opt:  # "64@0.15,256@0.5,64@0@off,64@0.15@5%@standby,256@0.5@5%@standby-pull"
+        cases = [(int(p[0]), float(p[1]), p[2] if len(p) > 2 else "5%",
+                  p[3] if len(p) > 3 else "")
+                 for p in (c.split("@") for c in str(opt).split(","))]
+        for case in cases:
+            if case[3] not in STANDBY_KINDS:
+                raise ValueError(f"machine-loss case {case}: the fourth field is one of "
+                                 f"{STANDBY_KINDS[1:]}")
+        return cases
     return QUICK_CASES if ctx.quick else FULL_CASES
 
 
@@ -93,7 +106,7 @@ def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
 
 def run_once(mb: int, step_s: float, root: str, private_shm: bool,
              min_train_s: float = 3.0, max_wait_s: float = 60.0,
-             budget: str = "5%", standby: bool = False) -> Dict[str, object]:
+             budget: str = "5%", standby: str = "") -> Dict[str, object]:
     """One machine loss; a sample dict (``error`` says why there is none)."""
     work = tempfile.mkdtemp(prefix="machine-", dir=root)
     job = ["--ckpt", "ckptrun", "--state-mb", str(mb), "--steps", "1000000",
@@ -109,7 +122,9 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
         survivor, lost = machines
         spare = None
         if standby:
-            spare = replacement(lost, "standby", work, job, env, ["--standby"])
+            spare = replacement(lost, "standby", work, job, {
+                **env, "CKPTRUN_STANDBY_COPIES": "0" if standby == "standby-pull" else "1"},
+                ["--standby"])
             machines.append(spare)
         since, deadline = None, time.monotonic() + 240.0
         rounds: List[float] = []
@@ -185,11 +200,11 @@ def _measure(logs: Dict[tuple, List[dict]], t_fail: float) -> Dict[str, object]:
 
 
 def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
-              private_shm: bool, budget: str = "5%", standby: bool = False) -> Row:
+              private_shm: bool, budget: str = "5%", standby: str = "") -> Row:
     label = f"{step_s:g} s" if step_s else "unpadded"
     row: Row = {"case": f"ckptrun 2 machines × 1 rank, --replicas 2, step {label}, "
                         f"--replication-budget {budget}"
-                        f"{', a --standby machine takes the place' if standby else ''}",
+                        f"{STANDBY_LABELS[standby]}",
                 "failure": "machine loss (all its processes killed)", "bytes": mb << 20,
                 "target": TARGET, "reps": 0}
     good = [s for s in samples if "error" not in s]

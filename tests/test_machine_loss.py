@@ -53,6 +53,7 @@ class Loss:
     newcomers: list  # the replacements, in start order
     lost_nodes: List[int]  # group ranks of the lost machines
     recovery_s: float  # from the loss to the store host's first step after its restore
+    replicated_before: int  # the newest step the survivors had replicated just before it
 
 
 def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
@@ -103,6 +104,8 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
         wait_until(ready, 180, f"the machines to be lost at step {victim_step}",
                    procs + spares)
         lost_nodes = sorted(status(v.run_dir)["node"] for v in lost)
+        replicated_before = min((status(v.run_dir).get("checkpoint", {}).get("peer_step")
+                                 or 0) for v in procs[:-victims])
         at = max(w.get("step", 0) for v in lost for w in status(v.run_dir).get("workers", []))
         assert at <= STEPS - 10, f"the job was at step {at} of {STEPS} when it was ready"
         t_loss = time.monotonic()
@@ -131,7 +134,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:]
             for n in names + "st"[:standbys] + "xyz"[:max(0, victims - standbys)]}
     assert codes == [0] * len(codes), logs
-    return Loss(survivors, newcomers, lost_nodes, recovery_s)
+    return Loss(survivors, newcomers, lost_nodes, recovery_s, replicated_before)
 
 
 def report(what: str, loss: Loss, restored_step: int) -> None:
@@ -158,6 +161,7 @@ def test_machine_lost_replacement_restores_from_peer(tmp_path, references):
     # the peer copy trails by the rounds the 5% pacer allows: encrypted rounds cost ~2x the
     # CPU, and on a loaded 2-core machine it trailed by 4 steps once
     assert 0 <= lost[0]["step"] - ra["step"] <= 5
+    assert ra["step"] >= loss.replicated_before, (ra, loss.replicated_before)
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 
@@ -200,6 +204,7 @@ def test_three_machines_one_lost_restores_from_its_peer(tmp_path, references):
     # 2-core machine the rounds are paced (--replication-budget), and since replication is
     # encrypted a round costs about twice the CPU, so the pacer runs half as many: CI saw 8
     assert 0 <= lost["step"] - step <= 12
+    assert step >= loss.replicated_before, (step, loss.replicated_before)
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
 
     # every machine's status names the machines holding its copies, each with its step
@@ -263,7 +268,12 @@ def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
     assert ra["step"] == rs["step"]
     assert recovery(a.run_dir, "restart")["restarts"] == 1
     report("machine loss, standby", loss, ra["step"])
-    assert 0 <= lost[0]["step"] - ra["step"] <= 5
+    # nothing that had reached the peers is lost; how far that trails the newest step is
+    # the pacer's choice: every round also goes to the standby, and on this 2-core machine
+    # (three "machines", the standby's spare importing torch) the 5% budget then allows a
+    # round only every 1-2 s -- 15 steps of 0.1 s once in CI
+    assert ra["step"] >= loss.replicated_before, (ra, loss.replicated_before)
+    assert 0 <= lost[0]["step"] - ra["step"] <= 30
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 

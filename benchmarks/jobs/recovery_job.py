@@ -28,6 +28,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
@@ -250,16 +251,34 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                    help="the process's own start-up before training, outside the training "
                         "function (a tokenizer, a dataset index: what a GPT script loads)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile-kept", action="store_true",
+                   help="build and torch.compile the model once per process, outside the "
+                        "training function: a survivor recovering in place keeps it")
     p.add_argument("--step-time", type=float, default=0.0,
                    help="pad every step to at least this many seconds with a sleep after "
                         "save() (a GPU-bound step: the CPU waits, the snapshot copy overlaps)")
     return p.parse_args(argv)
 
 
+_KEPT: Optional[nn.Module] = None  # --compile-kept: the process's one compiled model
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 without dynamo)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def main(argv: Optional[list] = None) -> None:
+    global _KEPT
     args = parse(argv)
     if args.setup_s > 0:  # once per process: a survivor recovering in place keeps it
         time.sleep(args.setup_s)
+    if args.compile_kept:  # the compiled code lives as long as the process
+        _KEPT = torch.compile(build(args))
     if args.in_place:
         import ckptrun
 
@@ -275,8 +294,9 @@ def train(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = StepLog(args.log_dir, rank, attempt)
     log.write("start", ckpt=args.ckpt)
+    graphs0 = compiled_graphs()  # a survivor's count so far: what it compiles again is new
     dist.init_process_group("gloo")
-    model = build(args)
+    model = build(args) if _KEPT is None else _KEPT
     ddp = nn.parallel.DistributedDataParallel(model)
     if args.compile:  # compiled at the first step: a restarted process pays it again
         ddp = torch.compile(ddp)
@@ -337,7 +357,8 @@ def train(args: argparse.Namespace) -> None:
         if args.step_time > 0:
             time.sleep(max(0.0, args.step_time - (t_done - t_step)))
         log.write("step", step=n, opt_s=t_save - t_opt, save_s=t_done - t_save,
-                  saving=saving)
+                  saving=saving, **({"graphs": compiled_graphs() - graphs0}
+                                    if n == start + 1 else {}))
         step = n
     if ckpt is not None:
         ckpt.close()
