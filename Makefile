@@ -23,9 +23,10 @@ test: $(VENV)/.installed test-services
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
 	@# two at a time, then the tests that time things alone (the `serial` mark, tests/conftest.py);
 	@# both parts always run; exit code 5 is "this part selected no test" (a PYTEST_ARGS subset)
+	@# --durations: CI must stay under 30 minutes on 2 cores; the slowest tests show where it goes
 	@status=0; \
-	$(PY) -m pytest -n 2 -m "not serial" $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
-	$(PY) -m pytest -m serial $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	$(PY) -m pytest -n 2 -m "not serial" --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	$(PY) -m pytest -m serial --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	exit $$status
 
 # A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its

@@ -12,9 +12,9 @@ The recovery job (``benchmarks/jobs/recovery_job.py``, 2 ranks, gloo) in three f
   training function (``--compile-kept``), the DDP wrapper built around it in each attempt
   -- what a survivor keeps, its compiled code included.
 
-For the compiled forms the job logs how many graphs torch.compile compiled in the attempt
-after the restore, per rank (``torch._dynamo``'s own counter): the survivor's (rank 0)
-count is the recompilation the goal asks to avoid.
+For the compiled forms the job logs how many frames torch.compile compiled in the attempt
+after the restore by its first step, per rank (``torch._dynamo``'s own counter): the
+survivor's (rank 0) count is the recompilation the goal asks to avoid.
 
 Each is run four ways: ckptrun with ``@ckptrun.resilient`` (``--in-place``: the rank that
 did not fail keeps its process) with ``--hot-spares`` (the replacement ran the script's
@@ -57,7 +57,7 @@ COLUMNS = [("form", "job", "str"), ("mode", "recovery", "str"), ("bytes", "state
            ("detect_s", "detect", "s"), ("stop_s", "stop / unwind", "s"),
            ("start_s", "start", "s"), ("restore_s", "restore", "s"),
            ("first_step_s", "script → first step", "s"), ("steps_lost", "steps lost", "float"),
-           ("graphs", "graphs compiled after the restore (rank 0 survivor / rank 1)", "str"),
+           ("compiled", "frames compiled after the restore (rank 0 survivor / rank 1)", "str"),
            ("reps", "reps", "int"), ("note", "note", "str")]
 
 
@@ -128,10 +128,10 @@ def inplace(ctx: Context) -> List[Row]:
         sample.update(_phases(out.events))
         in_place = [e.get("in_place") for e in out.events if e.get("event") == "restart"]
         sample["kept"] = in_place[0] if in_place else None
-        graphs = {int(r["rank"]): int(r["graphs"]) for r in out.records("step", attempt=1)
-                  if "graphs" in r}
-        if graphs:
-            sample["graphs"] = [graphs.get(0), graphs.get(1)]
+        frames = {int(r["rank"]): int(r["compiled"]) for r in out.records("step", attempt=1)
+                  if "compiled" in r}
+        if frames:
+            sample["compiled"] = [frames.get(0), frames.get(1)]
         if trigger.warm is not None:
             sample["spares_ready"] = trigger.warm
         shutil.rmtree(work, ignore_errors=True)
@@ -159,9 +159,9 @@ def inplace(ctx: Context) -> List[Row]:
             if mode.startswith("ckptrun in-place") and not all(s.get("kept") == [0]
                                                                 for s in good):
                 notes.append("rank 0 was not always kept: " + str([s.get("kept") for s in good]))
-            if any("graphs" in s for s in good):
-                row["graphs"] = ", ".join(
-                    f"{s['graphs'][0]} / {s['graphs'][1]}" for s in good if "graphs" in s)
+            if any("compiled" in s for s in good):
+                row["compiled"] = ", ".join(
+                    f"{s['compiled'][0]} / {s['compiled'][1]}" for s in good if "compiled" in s)
             cold = sum(1 for s in good if s.get("spares_ready") is False)
             if cold:
                 notes.append(f"{cold} run(s) failed before the spares were ready")

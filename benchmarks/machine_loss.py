@@ -11,7 +11,7 @@ to every process of it at once (agent, workers, spares, reaper), so every byte o
 held is gone.  It then starts a replacement machine with the same command line (its own run
 directory: a new machine has its own disk), which joins the rendezvous and pulls the lost
 rank's snapshot from the survivor's memory -- or, in the ``standby`` cases, a third machine
-started with ``--standby`` before the loss (warm, waiting without ranks) takes the place and
+started with ``--standby`` before the job trains (warm, waiting without ranks) takes the place and
 no machine is started after it.
 
 Per run: ``failure → first step`` until *every* rank completed a step after the restore;
@@ -114,18 +114,18 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
     env = {"CKPTRUN_SPARE_DELAY": "0"}
     machines: List[Machine] = []
     try:
+        # a standby starts before the job trains, warm before the second machine starts
+        # (benchmarks.machines.start_job says why)
         machines = start_job(work, 2, ["--max-restarts", "3", "--replicas", "2",
                                        "--replication-budget", budget], job, env,
-                             private_shm, names=["survivor", "lost"])
+                             private_shm, names=["survivor", "lost"], standby_env={
+                                 "CKPTRUN_STANDBY_COPIES":
+                                     "0" if standby == "standby-pull" else "1"}
+                             if standby else None)
         if len(machines) < 2:
             return {"error": f"the store host did not start: {machines[0].tail(400)}"}
-        survivor, lost = machines
-        spare = None
-        if standby:
-            spare = replacement(lost, "standby", work, job, {
-                **env, "CKPTRUN_STANDBY_COPIES": "0" if standby == "standby-pull" else "1"},
-                ["--standby"])
-            machines.append(spare)
+        survivor, lost = machines[:2]
+        spare = machines[2] if standby else None
         since, deadline = None, time.monotonic() + 240.0
         rounds: List[float] = []
         while not _ready([survivor, lost], since, min_train_s, max_wait_s, spare):

@@ -164,10 +164,18 @@ def agent_args(port: int, rdzv_id: str, nnodes: int, extra: List[str]) -> List[s
 
 def start_job(work: str, nnodes: int, extra_agent_args: List[str], job_args: List[str],
               env: Dict[str, str], private_shm: bool, store_timeout_s: float = 60.0,
-              names: Optional[List[str]] = None) -> List[Machine]:
+              names: Optional[List[str]] = None,
+              standby_env: Optional[Dict[str, str]] = None) -> List[Machine]:
     """Start ``nnodes`` machines of one job; the first hosts the rendezvous store (it is
     started alone and the others only once its port listens, so the store host is known:
-    losing it ends the job, as with torchrun)."""
+    losing it ends the job, as with torchrun).
+
+    ``standby_env``: also a ``--standby`` machine (with these variables), last in the list.
+    It starts right after the store host, and the others only once its warm spare has
+    imported torch: on machines of their own its start-up would cost the job nothing,
+    while here it shares two cores with the job's first seconds -- where the replication
+    pacer measures what a round costs, and a round would look three times dearer for the
+    next minute (its estimate fades with a 20 s half-life)."""
     import secrets
     import uuid
 
@@ -183,8 +191,19 @@ def start_job(work: str, nnodes: int, extra_agent_args: List[str], job_args: Lis
         if not machines[0].alive() or time.monotonic() > deadline:
             return machines  # the caller sees a machine missing and reports the tail
         time.sleep(0.05)
+    standby = None
+    if standby_env is not None:
+        from benchmarks.recovery import spares_warm
+
+        standby = Machine("standby", work, args + ["--standby"], job_args, log_dir,
+                          {**env, **standby_env}, private_shm)
+        while not spares_warm(standby.run_dir, 1) and standby.alive() \
+                and time.monotonic() < deadline + 120.0:
+            time.sleep(0.1)
     machines += [Machine(n, work, args, job_args, log_dir, env, private_shm)
                  for n in names[1:nnodes]]
+    if standby is not None:
+        machines.append(standby)
     for m in machines:
         m.command_args = args  # type: ignore[attr-defined]
         m.job_env = env  # type: ignore[attr-defined]

@@ -41,3 +41,18 @@ def test_summary_judges_the_lost_rank_by_its_tier():
     bad = summarize(64, 0.15, [dict(base, tiers={0: "storage", 1: "storage"})],
                     private_shm=False)
     assert bad["met"] == "no"
+
+
+def test_machine_loss_cases_name_who_takes_the_place():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from benchmarks.machine_loss import _cases
+
+    ctx = SimpleNamespace(quick=False, options={
+        "machine_loss_cases": "64@0.15,256@0.5@5%@standby,256@0.5@5%@standby-pull"})
+    assert [c[3] for c in _cases(ctx)] == ["", "standby", "standby-pull"]
+    ctx.options["machine_loss_cases"] = "64@0.15@5%@spare"
+    with pytest.raises(ValueError, match="standby"):
+        _cases(ctx)
