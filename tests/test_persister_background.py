@@ -205,6 +205,37 @@ def test_reader_errors_and_final_failure_never_raise(tmp_path):
         Persister(str(tmp_path), reader=broken, world_size=1, every_steps=2, every_seconds=5)
 
 
+def test_a_final_persist_to_storage_the_machines_do_not_share_is_not_retried(tmp_path):
+    """Machines that do not share --persist-to (each its own local path): the leader's check
+    refuses the step, and no wait makes them share it -- the final persist gives up at
+    once, on every node alike (they all read the leader's answer), with that one line;
+    other failures are still retried."""
+    from ckptrun.tiers.durable.rounds import NOT_SHARED
+
+    ev, calls = Events(), []
+
+    def refused(url, step, snaps, world_size, threads=2):
+        calls.append(step)
+        raise storage.StorageError(f"node 1 wrote __1_0.distcp to /b, but /a has no such file: "
+                                   f"{NOT_SHARED}")
+
+    p = Persister(str(tmp_path), reader=lambda s: (s, {}), world_size=2, every_steps=100,
+                  every_seconds=None, emit=ev.emit, retry_base_s=0.01, write=refused)
+    assert p.final(7, attempts=3) is False
+    assert calls == [7]
+    assert NOT_SHARED in ev.of("persist_failed")[-1]["error"]
+
+    def flaky(url, step, snaps, world_size, threads=2):
+        calls.append(step)
+        raise OSError("connection reset")
+
+    calls.clear()
+    p = Persister(str(tmp_path), reader=lambda s: (s, {}), world_size=2, every_steps=100,
+                  every_seconds=None, emit=ev.emit, retry_base_s=0.01, write=flaky)
+    assert p.final(7, attempts=3) is False
+    assert calls == [7, 7, 7]
+
+
 def test_kill_during_persist_leaves_no_visible_step(tmp_path):
     root = tmp_path / "ck"
     storage.write_step(str(root), 1, snapshots(1, 2), world_size=2)

@@ -117,6 +117,8 @@ class Persister:
             for attempt in range(attempts):
                 if self._persist_once(step):
                     return True
+                if _misconfigured(self._last_error):
+                    break  # waiting cannot make the machines share storage: 6 s saved
                 if attempt + 1 < attempts:
                     time.sleep(min(self._retry_base_s * 2 ** attempt, self._retry_max_s))
         return False
@@ -228,6 +230,14 @@ class Persister:
                 self._release(step)
             except Exception as e:  # noqa: BLE001
                 self._last_error = f"release: {type(e).__name__}: {e}"
+
+
+def _misconfigured(error: Optional[str]) -> bool:
+    """Whether a persist failed because the machines do not share ``--persist-to`` (every
+    node reads the leader's answer, so all of them stop retrying together)."""
+    from ckptrun.tiers.durable.rounds import NOT_SHARED
+
+    return bool(error) and NOT_SHARED in str(error)
 
 
 def _one_line(e: BaseException) -> str:

@@ -38,6 +38,11 @@ KEY = "ckptrun/persist/"
 WAIT_S = 120.0  # a round in which some node does not answer for this long fails
 
 
+# The end of the message of a persist refused because the machines do not share --persist-to
+# (read by every node's persister from the leader's answer: a misconfiguration, not retried)
+NOT_SHARED = "--persist-to must be storage every machine shares"
+
+
 class JobEnded(Exception):
     """The round's step will never be committed: the workers finished first."""
 
@@ -256,6 +261,5 @@ def _check_visible(url: str, step: int, parts: List[Dict[str, Any]]) -> None:
         if have.get(name, -1) < end:
             raise storage.StorageError(
                 f"node {node} wrote {name} to {theirs}, but {storage.step_url(url, step)} has "
-                f"{'no such file' if name not in have else 'a shorter one'}: --persist-to "
-                "must be storage every machine shares")
+                f"{'no such file' if name not in have else 'a shorter one'}: {NOT_SHARED}")
 
