@@ -83,8 +83,8 @@ def wait_until(pred, timeout: float, what: str, procs=()):
         time.sleep(0.05)
     # every machine's log tail: a timeout in a loaded full run must be diagnosable from
     # the report alone, since it rarely recurs when the test is run by itself
-    tails = "".join(f"\n--- {getattr(p, 'log_path', '?')}\n" + _tail(getattr(p, "log_path", None), 2500)
-                    for p in procs)
+    paths = [getattr(p, "log_path", None) for p in procs]
+    tails = "".join(f"\n--- {path}\n{_tail(path, 2500)}" for path in paths)
     raise AssertionError(f"timed out waiting for {what}{tails}")
 
 
@@ -169,4 +169,3 @@ def peer_copies(run_dir: str) -> List[dict]:
         return load_status(run_dir)["checkpoint"]["peers"]
     except (OSError, ValueError, KeyError):
         return []
-

@@ -105,7 +105,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                    procs + spares)
         lost_nodes = sorted(status(v.run_dir)["node"] for v in lost)
         replicated_before = min((status(v.run_dir).get("checkpoint", {}).get("peer_step")
-                                 or 0) for v in procs[:-victims])
+                                 or 0) for v in survivors)
         at = max(w.get("step", 0) for v in lost for w in status(v.run_dir).get("workers", []))
         assert at <= STEPS - 10, f"the job was at step {at} of {STEPS} when it was ready"
         t_loss = time.monotonic()
