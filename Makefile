@@ -21,6 +21,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed test-services
 	$(VENV)/bin/ruff check ckptrun adapters tests benchmarks examples
+	@# an editable install leaves byte-compiling to the first import, which never writes it
+	@# where PYTHONDONTWRITEBYTECODE is set: every agent, worker and reaper the tests start
+	@# would compile the package from source again
+	@$(PY) -m compileall -q ckptrun adapters >/dev/null
 	@# two at a time, then the tests that time things alone (the `serial` mark, tests/conftest.py);
 	@# both parts always run; exit code 5 is "this part selected no test" (a PYTEST_ARGS subset)
 	@# --durations: CI must stay under 30 minutes on 2 cores; the slowest tests show where it goes

@@ -235,6 +235,31 @@ def test_close_ends_the_background_threads():
         progress._sampler = None  # the next test's link starts its own
 
 
+def test_exit_collects_cycles_while_the_interpreter_is_whole_then_freezes():
+    """The exit collection (``collect_at_exit``) tears down reference cycles -- DDP's with
+    its process group -- while modules still work, and leaves the rest frozen, so that
+    interpreter shutdown does not walk torch's import-time objects a second time."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import atexit, gc, sys
+        atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+        from ckptrun.worker.clean_exit import collect_at_exit
+        collect_at_exit()
+        class Cycle:
+            def __del__(self):
+                print("collected", sys.modules["json"].dumps(1), flush=True)
+        import json
+        a = Cycle(); a.me = a; del a
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["collected 1", "frozen True"], out.stdout
+
+
 def test_steps_start_at_one_and_are_integers():
     """``save(0)`` would never be restored (``restore()`` returns 0 for "nothing"): refused
     with a message saying how a loop counts, like any step that is not an int."""

@@ -299,3 +299,49 @@ def test_every_steps_asks_for_the_multiples_of_n(tmp_path):
     p.notify(45)
     assert wait_for(lambda: [e["step"] for e in ev2.of("persisted")] == [40])
     p.stop()
+
+
+def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeypatch):
+    """The durable tier imports DCP (seconds of CPU) only when the job's first snapshot
+    shows up, not at the start, when the workers are importing torch on the same cores --
+    and a job that never saves never pays for it."""
+    import uuid
+
+    from ckptrun import protocol as P
+    from ckptrun import snapshot as S
+    from ckptrun.config import AgentConfig
+    from ckptrun.tiers.durable import tier as durable
+    from ckptrun.tiers.interface import TierContext
+    from ckptrun.tiers.memory.node import NodeMemory
+
+    imports = []
+    monkeypatch.setattr(storage, "warm_up", lambda: imports.append(time.monotonic()))
+    monkeypatch.setattr(durable, "WARM_CHECK_S", 0.0)
+    token = "warm" + uuid.uuid4().hex[:8]
+    cfg = AgentConfig(script="train.py", nproc_per_node=1, persist_to=str(tmp_path / "ck"))
+    memory = NodeMemory(token, num_slots=3)
+    control = P.ControlBlock(P.control_path(token), 1, create=True)
+    tier = durable.DurableTier(TierContext(cfg=cfg, node=0, nnodes=1, store=None, memory=memory,
+                                           control=control, token=token,
+                                           emit=lambda event, **f: None))
+    try:
+        for _ in range(3):
+            tier.tick()
+        time.sleep(0.1)
+        assert imports == []  # no snapshot yet
+        tree, items = S.flatten({"w": torch.ones(4)})
+        memory.write(0, S.make_meta(1, 0, 1, tree, items, [0] * len(items)),
+                     [t for _, t in items], step=1)
+        for _ in range(3):
+            tier.tick()
+        deadline = time.monotonic() + 10
+        while not imports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(imports) == 1  # once, on its own thread
+    finally:
+        tier.close()
+        control.close()
+        memory.cleanup()
+        for f in os.listdir("/dev/shm"):
+            if token in f:
+                os.unlink(os.path.join("/dev/shm", f))

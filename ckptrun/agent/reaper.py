@@ -24,6 +24,8 @@ SHM_GLOB = "/dev/shm/ckptrun-{token}-*"
 
 
 def _kill_all(pids: Set[int]) -> None:
+    if not pids:  # a clean exit: the agent reaped everything (and is waiting for us)
+        return
     import psutil
 
     procs = []

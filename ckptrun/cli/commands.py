@@ -12,6 +12,7 @@ only in ``run`` so that ``ckptrun status`` stays fast.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -135,6 +136,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         cli.main(args=argv, prog_name="ckptrun", standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        # Interpreter shutdown runs a full garbage collection over everything torch created
+        # at import: ~0.6-0.8 s of a 2-core machine after the job is over, on every launch.
+        # Nothing needs collecting any more (the workers, slots and files are gone), so the
+        # collector is told to leave every object alone.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 CATCH_AHEAD = 2  # steps before a --persist-every multiple at which its slots are watched
 CATCH_WAIT_S = 5.0  # the longest a read waits for that step (the persister's thread)
+WARM_CHECK_S = 1.0  # how often the job is looked at for its first snapshot (then: never)
 
 
 class DurableTier(Tier):
@@ -59,9 +60,13 @@ class DurableTier(Tier):
                                         self.memory, ctx.emit, self.url,
                                         every_steps=self.every_steps)
             reader, write = self.rounds.read, self.rounds.write
-        # DCP is imported off the main thread now that the rendezvous is done (it slows
-        # torch's rendezvous events, each of which walks every loaded module)
-        threading.Thread(target=storage.warm_up, name="ckptrun-dcp-import", daemon=True).start()
+        # DCP is imported off the main thread once the job has taken its first snapshot
+        # (:meth:`tick`): not during the rendezvous (it slows torch's rendezvous events, each
+        # of which walks every loaded module), nor while the workers import torch (on a
+        # small machine its ~2 s of CPU came out of every job's start-up), nor at all for a
+        # job that never saves
+        self._warm_started = False
+        self._warm_checked = 0.0
         if ctx.node == 0:
             self.persister = Persister(
                 self.url, reader=reader, write=write, world_size=self.world_size,
@@ -104,8 +109,20 @@ class DurableTier(Tier):
             self.rounds.start_follower()
 
     def tick(self) -> None:
+        self._warm_up_once_saving()
         if self.persister is not None:
             self.persister.notify(0)
+
+    def _warm_up_once_saving(self) -> None:
+        """Start importing what a persist needs when the first snapshot shows up (headers
+        only, at most once a second), so that the first persist does not pay for it."""
+        if self._warm_started or time.monotonic() - self._warm_checked < WARM_CHECK_S:
+            return
+        self._warm_checked = time.monotonic()
+        if any(self.memory.steps(r) for r in self.ranks):
+            self._warm_started = True
+            threading.Thread(target=storage.warm_up, name="ckptrun-dcp-import",
+                             daemon=True).start()
 
     def finished(self, exit_code: int, stopped: bool = False) -> None:
         """Persist the newest step of a job that succeeded, or that was stopped by a signal
