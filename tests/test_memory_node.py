@@ -167,6 +167,42 @@ def test_read_common_for_the_persister(mem):
         assert meta["step"] == 4 and all(torch.equal(a, b) for a, b in zip(want, tensors))
 
 
+def test_holding_gives_verified_views_of_every_rank_without_copying(mem):
+    """The final persist's reader: the slots themselves, checked against their checksums
+    and pinned while held; a flipped byte is refused, never handed to the writer."""
+    block = ControlBlock(control_path(mem.job_token), nranks=2, create=True)
+    mem.attach_control(block, [0, 1])
+    for s in (3, 4):
+        for r in (0, 1):
+            mem.write(r, *snap(s, r), step=s)
+    with mem.holding([0, 1], 4) as snaps:
+        assert sorted(snaps) == [0, 1]
+        assert [block.get(lr, "pin") for lr in (0, 1)] == [mem.steps(r)[4] for r in (0, 1)]
+        for r in (0, 1):
+            meta, views = snaps[r]
+            assert meta["step"] == 4
+            assert all(torch.equal(a, b) for a, b in zip(snap(4, r)[1], views))
+        mm = slot_mm(mem, 1, 4)  # the views are the slot's memory, not a copy
+        h = SlotHeader.unpack_from(mm)
+        before = views[0].clone()
+        mm[h.data_offset] ^= 0xFF
+        assert not torch.equal(before, views[0])
+        mm[h.data_offset] ^= 0xFF
+        mm.close()
+    assert [block.get(lr, "pin") for lr in (0, 1)] == [-1, -1]
+    with pytest.raises(KeyError):
+        with mem.holding([0, 1], 9):
+            pass
+    mm = slot_mm(mem, 1, 4)
+    h = SlotHeader.unpack_from(mm)
+    mm[h.data_offset + 1234] ^= 0x10
+    mm.close()
+    with pytest.raises(SlotChanged):
+        with mem.holding([0, 1], 4):
+            pass
+    block.close()
+
+
 def test_meta_checksum_matches_the_slot(mem):
     from ckptrun.snapshot.slots import meta_checksum
 

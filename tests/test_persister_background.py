@@ -301,29 +301,77 @@ def test_every_steps_asks_for_the_multiples_of_n(tmp_path):
     p.stop()
 
 
+def _one_machine_tier(tmp_path, token):
+    from ckptrun import protocol as P
+    from ckptrun.config import AgentConfig
+    from ckptrun.tiers.durable import tier as durable
+    from ckptrun.tiers.interface import TierContext
+    from ckptrun.tiers.memory.node import NodeMemory
+
+    events = []
+    cfg = AgentConfig(script="train.py", nproc_per_node=2, persist_to=str(tmp_path / "ck"))
+    memory = NodeMemory(token, num_slots=3)
+    control = P.ControlBlock(P.control_path(token), 2, create=True)
+    tier = durable.DurableTier(TierContext(
+        cfg=cfg, node=0, nnodes=1, store=None, memory=memory, control=control, token=token,
+        emit=lambda event, **f: events.append(dict(f, event=event))))
+    return tier, memory, control, events
+
+
+def _drop_shm(token):
+    for f in os.listdir("/dev/shm"):
+        if token in f:
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def test_the_final_persist_writes_the_slots_without_copying_them_out(tmp_path, monkeypatch):
+    """At the job's end the workers are stopped: the final step is written from the slots
+    themselves (verified, pinned), not from private copies -- and reads back bitwise."""
+    import uuid
+
+    from ckptrun import snapshot as S
+
+    token = "fin" + uuid.uuid4().hex[:8]
+    tier, memory, control, events = _one_machine_tier(tmp_path, token)
+    try:
+        want = {}
+        for r in (0, 1):
+            state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(r)),
+                     "step": 5}
+            tree, items = S.flatten(state)
+            want[r] = [t.clone() for _, t in items]
+            memory.write(r, S.make_meta(5, r, 2, tree, items, [0] * len(items)),
+                         [t for _, t in items], step=5)
+
+        def no_copies(*a, **k):
+            raise AssertionError("the final persist copied the slots out")
+        monkeypatch.setattr(memory, "read_common", no_copies)
+        tier.finished(0)
+        assert [e["step"] for e in events if e["event"] == "persisted"] == [5], events
+        for r in (0, 1):
+            meta, tensors = storage.read_rank(str(tmp_path / "ck"), 5, r)
+            assert all(torch.equal(a, b) for a, b in zip(want[r], tensors))
+    finally:
+        tier.close()
+        control.close()
+        memory.cleanup()
+        _drop_shm(token)
+
+
 def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeypatch):
     """The durable tier imports DCP (seconds of CPU) only when the job's first snapshot
     shows up, not at the start, when the workers are importing torch on the same cores --
     and a job that never saves never pays for it."""
     import uuid
 
-    from ckptrun import protocol as P
     from ckptrun import snapshot as S
-    from ckptrun.config import AgentConfig
     from ckptrun.tiers.durable import tier as durable
-    from ckptrun.tiers.interface import TierContext
-    from ckptrun.tiers.memory.node import NodeMemory
 
     imports = []
     monkeypatch.setattr(storage, "warm_up", lambda: imports.append(time.monotonic()))
     monkeypatch.setattr(durable, "WARM_CHECK_S", 0.0)
     token = "warm" + uuid.uuid4().hex[:8]
-    cfg = AgentConfig(script="train.py", nproc_per_node=1, persist_to=str(tmp_path / "ck"))
-    memory = NodeMemory(token, num_slots=3)
-    control = P.ControlBlock(P.control_path(token), 1, create=True)
-    tier = durable.DurableTier(TierContext(cfg=cfg, node=0, nnodes=1, store=None, memory=memory,
-                                           control=control, token=token,
-                                           emit=lambda event, **f: None))
+    tier, memory, control, _ = _one_machine_tier(tmp_path, token)
     try:
         for _ in range(3):
             tier.tick()
@@ -342,6 +390,4 @@ def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeyp
         tier.close()
         control.close()
         memory.cleanup()
-        for f in os.listdir("/dev/shm"):
-            if token in f:
-                os.unlink(os.path.join("/dev/shm", f))
+        _drop_shm(token)

@@ -103,11 +103,12 @@ class Persister:
         """A new step was committed: check now instead of at the next poll."""
         self._wake.set()
 
-    def final(self, step: int, attempts: int = 3) -> bool:
+    def final(self, step: int, attempts: int = 3, reader: Optional[Reader] = None) -> bool:
         """Persist ``step`` (the job's last) synchronously; True when it is durable.
 
         Waits for an in-flight background persist first.  Retries ``attempts`` times, then
-        gives up with ``persist_failed`` -- never raises.
+        gives up with ``persist_failed`` -- never raises.  ``reader``: instead of the
+        persister's own for this call (views of slots the caller holds still).
         """
         self._stopping.set()  # no new background persists from here on
         self._wake.set()
@@ -115,13 +116,20 @@ class Persister:
             if self._persisted_step is not None and self._persisted_step >= step:
                 return True
             for attempt in range(attempts):
-                if self._persist_once(step):
+                if self._persist_once(step, reader=reader):
                     return True
                 if _misconfigured(self._last_error):
                     break  # waiting cannot make the machines share storage: 6 s saved
                 if attempt + 1 < attempts:
                     time.sleep(min(self._retry_base_s * 2 ** attempt, self._retry_max_s))
         return False
+
+    def forget(self, step: int) -> None:
+        """``step`` was written from memory that changed under the write: the next
+        :meth:`final` writes it again instead of taking it as durable already."""
+        with self._io:
+            if self._persisted_step == step:
+                self._persisted_step = None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; an in-flight write is left to finish in the daemon thread."""
@@ -176,12 +184,13 @@ class Persister:
                 delay = min(self._retry_base_s * 2 ** (self._failures - 1), self._retry_max_s)
                 self._next_try = time.monotonic() + delay
 
-    def _persist_once(self, step: int, exact: bool = True) -> Optional[bool]:
+    def _persist_once(self, step: int, exact: bool = True,
+                      reader: Optional[Reader] = None) -> Optional[bool]:
         """Read and write one step; True ok, False failed (event emitted), None nothing to do."""
         from ckptrun.tiers.durable import storage
 
         try:
-            got = self._reader(step)
+            got = (reader or self._reader)(step)
         except Exception as e:  # noqa: BLE001
             return self._failed(step, f"reading the memory tier: {type(e).__name__}: {e}")
         if got is None:
