@@ -391,3 +391,82 @@ def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeyp
         control.close()
         memory.cleanup()
         _drop_shm(token)
+
+
+@pytest.mark.parametrize("ended_ok", [1, 0])
+def test_the_last_step_is_persisted_while_the_workers_tear_down(tmp_path, ended_ok):
+    """Every local script ended successfully (``ended_ok``, phase DONE) with its last save
+    committed: the agent's tick writes that step at once, before the workers have exited,
+    and the end of the job finds it durable (one ``persisted``).  A script that failed
+    leaves the decision to the job's end, as before."""
+    import uuid
+
+    from ckptrun import snapshot as S
+    from ckptrun.protocol import Phase
+
+    token = "early" + uuid.uuid4().hex[:8]
+    tier, memory, control, events = _one_machine_tier(tmp_path, token)
+    try:
+        for r in (0, 1):
+            tree, items = S.flatten({"w": torch.full((100,), float(r)), "step": 7})
+            memory.write(r, S.make_meta(7, r, 2, tree, items, [0] * len(items)),
+                         [t for _, t in items], step=7)
+            control.set(r, "committed_step", 7)
+            control.set(r, "step", 7)
+            control.set(r, "ended_ok", ended_ok)
+        tier.tick()
+        assert tier._early is None  # still running: nothing yet
+        for r in (0, 1):
+            control.set(r, "phase", Phase.DONE)
+        tier.tick()
+        if ended_ok:
+            tier._early.join(30)
+            assert [e["step"] for e in events if e["event"] == "persisted"] == [7]
+        else:
+            assert tier._early is None and not events
+        tier.finished(0)
+        assert [e["step"] for e in events if e["event"] == "persisted"] == [7], events
+        assert storage.newest_step(str(tmp_path / "ck")) == 7
+    finally:
+        tier.close()
+        control.close()
+        memory.cleanup()
+        _drop_shm(token)
+
+
+def test_a_job_whose_teardown_is_slow_is_persisted_before_it_ends(tmp_path):
+    """Under ``ckptrun`` the last step of a script that ended successfully is written while
+    the script's process still tears down (here an ``atexit`` handler of 2 s, as a data
+    loader's or NCCL's shutdown can take), not after it exited."""
+    import json
+
+    from conftest import ckptrun_cmd
+
+    script = tmp_path / "slow_teardown.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, sys, time
+        import torch
+        import ckptrun
+
+        def teardown():
+            time.sleep(2.0)
+            with open(sys.argv[1], "w") as f:
+                f.write(repr(time.time()))
+
+        atexit.register(teardown)
+        w = torch.zeros(1000)
+        ck = ckptrun.Checkpointer({"w": w})
+        for step in range(ck.restore() + 1, 6):
+            w += 1
+            ck.save(step)
+    """))
+    run_dir, ended = tmp_path / "run", tmp_path / "ended"
+    proc = subprocess.run(ckptrun_cmd("--standalone", "--nproc-per-node", "1", "--run-dir",
+                                      str(run_dir), str(script), str(ended)),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(run_dir / "events.jsonl") as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    persisted = [e for e in events if e["event"] == "persisted"]
+    assert [e["step"] for e in persisted] == [5], events
+    assert persisted[0]["time"] < float(ended.read_text()), "persisted only after the exit"

@@ -73,12 +73,16 @@ _FIELDS = {
     # the process is on its way out (its interpreter's teardown can take seconds, or hang
     # in gloo's while a peer waits): the agent counts the failure now.
     "raised": (168, "i"),
+    # 1: the script is over and succeeded (it returned, or exited 0), its interpreter's
+    # teardown under way: on one machine the agent starts the final persist now, not after
+    # the exit (a teardown of seconds -- process groups, data loaders, CUDA -- overlaps it).
+    "ended_ok": (172, "i"),
 }
 
 # What a kept worker's record starts a new attempt with: the fields of one attempt cleared;
 # its process (pid, sampler), its committed slot and the agent's pin stay.
 _PER_ATTEMPT = ("heartbeat", "step", "phase", "beats", "save_block_s", "save_copy_s",
-                "restored_step", "restore_s", "fatal", "first_step_at", "unwound", "raised")
+                "restored_step", "restore_s", "fatal", "first_step_at", "unwound", "raised", "ended_ok")
 
 
 class ControlBlock:

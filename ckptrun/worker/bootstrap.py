@@ -260,20 +260,20 @@ def main() -> None:
         _follow_thread_env(sys.modules["torch"])
     try:
         _run(go)
-    except SystemExit:
-        _mark_done()
+    except SystemExit as exc:
+        _mark_done(ok=exc.code in (None, 0))
         raise
     except BaseException as exc:  # like the interpreter: hook (traceback), then exit 1
         tb = _user_traceback(exc.__traceback__)
         exc.__traceback__ = tb  # the default hook prints the exception's own traceback
         sys.excepthook(type(exc), exc, tb)
         _mark_raised()
-        _mark_done()
+        _mark_done(ok=False)
         if isinstance(exc, KeyboardInterrupt):
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
-    _mark_done()
+    _mark_done(ok=True)
 
 
 def _mark_raised() -> None:
@@ -290,14 +290,18 @@ def _mark_raised() -> None:
         pass
 
 
-def _mark_done() -> None:
-    """The script is over: interpreter shutdown is not a hang (phase DONE is never timed out)."""
+def _mark_done(ok: bool) -> None:
+    """The script is over: interpreter shutdown is not a hang (phase DONE is never timed out);
+    ``ok``: it succeeded, so its last snapshot may be persisted during the teardown."""
     if "ckptrun.worker.heartbeat" not in sys.modules:
         return  # never linked to the control block: not watched for hangs anyway
     try:
         from ckptrun.protocol import Phase
-        from ckptrun.worker.heartbeat import heartbeat
+        from ckptrun.worker.heartbeat import heartbeat, worker_link
 
+        link = worker_link()
+        if ok and link is not None:
+            link[0].set(link[1], "ended_ok", 1)  # before DONE: the agent reads both
         heartbeat(phase=Phase.DONE)
         from ckptrun.worker.progress import sampler
 

@@ -124,6 +124,15 @@ class Persister:
                     time.sleep(min(self._retry_base_s * 2 ** attempt, self._retry_max_s))
         return False
 
+    def persist_now(self, step: int, reader: Optional[Reader] = None) -> bool:
+        """Persist ``step`` now, once, on the caller's thread (the job's last step while its
+        workers tear down); True when it is durable.  Unlike :meth:`final` the background
+        persists go on: the job may still fail and train on."""
+        with self._io:
+            if self._persisted_step is not None and self._persisted_step >= step:
+                return True
+            return bool(self._persist_once(step, reader=reader))
+
     def forget(self, step: int) -> None:
         """``step`` was written from memory that changed under the write: the next
         :meth:`final` writes it again instead of taking it as durable already."""

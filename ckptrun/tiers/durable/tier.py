@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
+from ckptrun.protocol import Phase
 from ckptrun.tiers.durable import storage
 from ckptrun.tiers.durable.persister import Persister
 from ckptrun.tiers.durable.rounds import PersistRounds
@@ -67,6 +68,8 @@ class DurableTier(Tier):
         # job that never saves
         self._warm_started = False
         self._warm_checked = 0.0
+        self.control = ctx.control
+        self._early: Optional[threading.Thread] = None  # the final persist, begun early
         if ctx.node == 0:
             self.persister = Persister(
                 self.url, reader=reader, write=write, world_size=self.world_size,
@@ -78,6 +81,7 @@ class DurableTier(Tier):
     def offers(self, ranks: List[int], attempt: int, max_step: Optional[int]) -> List[int]:
         """The durable steps (at most ``max_step``): ``--resume-from`` at the first start,
         else the job's own ``--persist-to`` (the same command run again resumes there)."""
+        self._join_early()  # a restart after all: the slots are the restore's now
         self._where = dict(self._candidates(attempt, max_step))
         return sorted(self._where)
 
@@ -103,6 +107,7 @@ class DurableTier(Tier):
         return "storage"
 
     def attempt_started(self, attempt: int) -> None:
+        self._join_early()  # a job that failed in its teardown: the early persist is over
         if self.persister is not None:
             self.persister.start()
         elif self.rounds is not None:
@@ -112,6 +117,31 @@ class DurableTier(Tier):
         self._warm_up_once_saving()
         if self.persister is not None:
             self.persister.notify(0)
+            self._begin_final_early()
+
+    def _begin_final_early(self) -> None:
+        """On one machine, once every local script has ended successfully with its last
+        snapshot committed, write that step now, while the workers tear down (process
+        groups, data loaders, CUDA contexts: up to seconds); :meth:`finished` then finds it
+        durable.  A job that fails after all keeps a step it had committed, as a background
+        persist would have; several machines persist their last step in a round instead."""
+        if self._early is not None or self.rounds is not None or self.control is None:
+            return
+        recs = [self.control.record(lr) for lr in range(len(self.ranks))]
+        if not all(r["phase"] == Phase.DONE and r["ended_ok"] == 1 for r in recs):
+            return
+        step = recs[0]["committed_step"]
+        if step <= 0 or any(r["committed_step"] != step or r["step"] != step for r in recs):
+            return  # a save still copying, or none: the exit path persists as before
+        self._early = threading.Thread(target=self._write_from_slots,
+                                       args=(step, self.persister.persist_now),
+                                       name="ckptrun-final-persist", daemon=True)
+        self._early.start()
+
+    def _join_early(self) -> None:
+        if self._early is not None:
+            self._early.join()
+            self._early = None
 
     def _warm_up_once_saving(self) -> None:
         """Start importing what a persist needs when the first snapshot shows up (headers
@@ -137,6 +167,7 @@ class DurableTier(Tier):
         if self.rounds is not None:
             self.rounds.job_done(step)  # a round waiting for a step gives up first
         try:
+            self._join_early()
             if step:
                 self._final(step)
         finally:
@@ -148,6 +179,7 @@ class DurableTier(Tier):
         """Membership changed (a machine lost): stop persisting without a final step; what
         is in storage and in memory stays.  The agent re-creates the tier afterwards."""
         self._closing.set()
+        self._join_early()
         if self.rounds is not None:
             self.rounds.stop()
         if self.persister is not None:
@@ -169,18 +201,23 @@ class DurableTier(Tier):
         cost ~0.3 s per 512 MiB here); a slot that fails its checksum, or is rewritten all
         the same, falls back to the copying reader, which says why in ``persist_failed``."""
         assert self.persister is not None
-        if self.rounds is None:
-            written = False
-            try:
-                with self.memory.holding(self.ranks, step) as snaps:
-                    written = self.persister.final(step, reader=lambda _s: (step, snaps))
-                if written:
-                    return
-            except (KeyError, SlotChanged) as e:
-                log.warning("final persist of step %s from the slots: %s", step, e)
-                if written:  # a slot changed under the write: that copy is not trusted
-                    self.persister.forget(step)
+        if self.rounds is None and self._write_from_slots(step, self.persister.final):
+            return
         self.persister.final(step)
+
+    def _write_from_slots(self, step: int, persist: Callable[..., bool]) -> bool:
+        """``persist(step, reader=...)`` with the slots themselves as the reader's answer."""
+        assert self.persister is not None
+        written = False
+        try:
+            with self.memory.holding(self.ranks, step) as snaps:
+                written = persist(step, reader=lambda _s: (step, snaps))
+            return written
+        except (KeyError, SlotChanged) as e:
+            log.warning("persisting step %s from the slots: %s", step, e)
+            if written:  # a slot changed under the write: that copy is not trusted
+                self.persister.forget(step)
+            return False
 
     def _read(self, min_step: int):
         """The persister's reader on one machine (several: ``PersistRounds.read``)."""
