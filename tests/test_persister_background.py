@@ -301,7 +301,7 @@ def test_every_steps_asks_for_the_multiples_of_n(tmp_path):
     p.stop()
 
 
-def _one_machine_tier(tmp_path, token):
+def _one_machine_tier(tmp_path, token, **cfg_fields):
     from ckptrun import protocol as P
     from ckptrun.config import AgentConfig
     from ckptrun.tiers.durable import tier as durable
@@ -309,7 +309,8 @@ def _one_machine_tier(tmp_path, token):
     from ckptrun.tiers.memory.node import NodeMemory
 
     events = []
-    cfg = AgentConfig(script="train.py", nproc_per_node=2, persist_to=str(tmp_path / "ck"))
+    cfg = AgentConfig(script="train.py", nproc_per_node=2, persist_to=str(tmp_path / "ck"),
+                      **cfg_fields)
     memory = NodeMemory(token, num_slots=3)
     control = P.ControlBlock(P.control_path(token), 2, create=True)
     tier = durable.DurableTier(TierContext(
@@ -322,6 +323,30 @@ def _drop_shm(token):
     for f in os.listdir("/dev/shm"):
         if token in f:
             os.unlink(os.path.join("/dev/shm", f))
+
+
+@pytest.mark.parametrize("due", [{"persist_every_steps": 5, "persist_every_seconds": None},
+                                 {"persist_every_seconds": 10.0}])
+def test_a_persist_due_within_the_first_steps_imports_at_the_start(tmp_path, monkeypatch,
+                                                                   due):
+    """``--persist-every N`` (or a short period): the first persist comes within a few
+    steps, and importing then would make it miss the multiples it is to catch."""
+    import uuid
+
+    imports = []
+    monkeypatch.setattr(storage, "warm_up", lambda: imports.append(time.monotonic()))
+    token = "warm" + uuid.uuid4().hex[:8]
+    tier, memory, control, _ = _one_machine_tier(tmp_path, token, **due)
+    try:
+        deadline = time.monotonic() + 10
+        while not imports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(imports) == 1
+    finally:
+        tier.close()
+        control.close()
+        memory.cleanup()
+        _drop_shm(token)
 
 
 def test_the_final_persist_writes_the_slots_without_copying_them_out(tmp_path, monkeypatch):
@@ -386,6 +411,9 @@ def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeyp
         while not imports and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(imports) == 1  # once, on its own thread
+        for _ in range(3):
+            tier.tick()
+        assert len(imports) == 1
     finally:
         tier.close()
         control.close()

@@ -16,9 +16,9 @@ WORKER = """
 import faulthandler, signal, sys, time
 faulthandler.register(signal.SIGUSR1, file=open(sys.argv[1], "a"), all_threads=True)
 def waiting_in_a_collective():
+    print("ready", flush=True)  # from inside: a dump right after it shows this frame
     while True:
         time.sleep(0.01)
-print("ready", flush=True)
 waiting_in_a_collective()
 """
 

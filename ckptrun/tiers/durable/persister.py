@@ -31,10 +31,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 Snapshot = Tuple[Dict[str, Any], List[Any]]
 Reader = Callable[[int], Optional[Tuple[int, Dict[int, Snapshot]]]]
+# holder(step): a context manager holding every local rank's snapshot of ``step`` still
+# (``{rank: (meta, tensors)}``) for as long as the write takes; taken under the persister's
+# lock, so that the lock is always taken before the slots' pins, as the reader takes them
+Holder = Callable[[int], ContextManager[Dict[int, Snapshot]]]
 
 
 class Persister:
@@ -103,12 +107,12 @@ class Persister:
         """A new step was committed: check now instead of at the next poll."""
         self._wake.set()
 
-    def final(self, step: int, attempts: int = 3, reader: Optional[Reader] = None) -> bool:
+    def final(self, step: int, attempts: int = 3, holder: Optional[Holder] = None) -> bool:
         """Persist ``step`` (the job's last) synchronously; True when it is durable.
 
         Waits for an in-flight background persist first.  Retries ``attempts`` times, then
-        gives up with ``persist_failed`` -- never raises.  ``reader``: instead of the
-        persister's own for this call (views of slots the caller holds still).
+        gives up with ``persist_failed`` -- never raises.  ``holder``: write what it holds
+        instead of a copy from the reader (see :meth:`_persist_held`).
         """
         self._stopping.set()  # no new background persists from here on
         self._wake.set()
@@ -116,7 +120,7 @@ class Persister:
             if self._persisted_step is not None and self._persisted_step >= step:
                 return True
             for attempt in range(attempts):
-                if self._persist_once(step, reader=reader):
+                if self._persist_once(step, holder=holder):
                     return True
                 if _misconfigured(self._last_error):
                     break  # waiting cannot make the machines share storage: 6 s saved
@@ -124,21 +128,14 @@ class Persister:
                     time.sleep(min(self._retry_base_s * 2 ** attempt, self._retry_max_s))
         return False
 
-    def persist_now(self, step: int, reader: Optional[Reader] = None) -> bool:
+    def persist_now(self, step: int, holder: Optional[Holder] = None) -> bool:
         """Persist ``step`` now, once, on the caller's thread (the job's last step while its
         workers tear down); True when it is durable.  Unlike :meth:`final` the background
         persists go on: the job may still fail and train on."""
         with self._io:
             if self._persisted_step is not None and self._persisted_step >= step:
                 return True
-            return bool(self._persist_once(step, reader=reader))
-
-    def forget(self, step: int) -> None:
-        """``step`` was written from memory that changed under the write: the next
-        :meth:`final` writes it again instead of taking it as durable already."""
-        with self._io:
-            if self._persisted_step == step:
-                self._persisted_step = None
+            return bool(self._persist_once(step, holder=holder))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; an in-flight write is left to finish in the daemon thread."""
@@ -194,12 +191,13 @@ class Persister:
                 self._next_try = time.monotonic() + delay
 
     def _persist_once(self, step: int, exact: bool = True,
-                      reader: Optional[Reader] = None) -> Optional[bool]:
-        """Read and write one step; True ok, False failed (event emitted), None nothing to do."""
-        from ckptrun.tiers.durable import storage
-
+                      holder: Optional[Holder] = None) -> Optional[bool]:
+        """Read and write one step; True ok, False failed (event emitted), None nothing to do.
+        ``holder``: the snapshots are held (not copied) by ``holder(step)`` while written."""
+        if holder is not None:
+            return self._persist_held(step, holder)
         try:
-            got = (reader or self._reader)(step)
+            got = self._reader(step)
         except Exception as e:  # noqa: BLE001
             return self._failed(step, f"reading the memory tier: {type(e).__name__}: {e}")
         if got is None:
@@ -210,16 +208,39 @@ class Persister:
         if exact and s != step:
             self._release_step(s)
             return self._failed(step, f"the memory tier holds step {s}, not {step}")
-        self._in_flight = s
         try:
-            write = self._write or storage.write_step
-            res = write(self.url, s, snaps, self.world_size, threads=self._threads)
+            res = self._write_step(s, snaps)
         except Exception as e:  # noqa: BLE001
             return self._failed(s, _one_line(e))
         finally:
-            self._in_flight = None
             self._release_step(s)
             del snaps
+        return self._succeeded(s, res)
+
+    def _persist_held(self, step: int, holder: Holder) -> bool:
+        """Write ``step`` from what ``holder(step)`` holds; a hold that cannot be had, or that
+        reports on leaving that the memory changed under the write, fails the persist --
+        nothing is recorded or announced before the hold is left intact."""
+        try:
+            with holder(step) as snaps:
+                res = self._write_step(step, snaps)
+        except Exception as e:  # noqa: BLE001
+            return self._failed(step, _one_line(e))
+        return self._succeeded(step, res)
+
+    def _write_step(self, step: int, snaps: Dict[int, Snapshot]) -> Dict[str, Any]:
+        from ckptrun.tiers.durable import storage
+
+        self._in_flight = step
+        try:
+            write = self._write or storage.write_step
+            return write(self.url, step, snaps, self.world_size, threads=self._threads)
+        finally:
+            self._in_flight = None
+
+    def _succeeded(self, s: int, res: Dict[str, Any]) -> bool:
+        from ckptrun.tiers.durable import storage
+
         self._persisted_step, self._persisted_url = s, res["url"]
         self._base_step = s
         self._last_time = time.monotonic()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ckptrun.protocol import Phase
 from ckptrun.tiers.durable import storage
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 CATCH_AHEAD = 2  # steps before a --persist-every multiple at which its slots are watched
 CATCH_WAIT_S = 5.0  # the longest a read waits for that step (the persister's thread)
 WARM_CHECK_S = 1.0  # how often the job is looked at for its first snapshot (then: never)
+WARM_EARLY_S = 60.0  # a persist period shorter than this imports DCP at the start
 
 
 class DurableTier(Tier):
@@ -61,13 +62,17 @@ class DurableTier(Tier):
                                         self.memory, ctx.emit, self.url,
                                         every_steps=self.every_steps)
             reader, write = self.rounds.read, self.rounds.write
-        # DCP is imported off the main thread once the job has taken its first snapshot
-        # (:meth:`tick`): not during the rendezvous (it slows torch's rendezvous events, each
-        # of which walks every loaded module), nor while the workers import torch (on a
-        # small machine its ~2 s of CPU came out of every job's start-up), nor at all for a
-        # job that never saves
+        # DCP is imported off the main thread, not during the rendezvous (it slows torch's
+        # rendezvous events, each of which walks every loaded module).  A persist due within
+        # the first steps (--persist-every N, or a short period) needs it at once: a first
+        # persist importing it under load took seconds, and the multiples of N it was to
+        # catch went by.  Otherwise it waits for the job's first snapshot (:meth:`tick`):
+        # not while the workers import torch (on a small machine its ~2 s of CPU came out of
+        # every job's start-up), and not at all for a job that never saves.
         self._warm_started = False
         self._warm_checked = 0.0
+        if self.every_steps or (cfg.persist_every_seconds or 0) < WARM_EARLY_S:
+            self._start_warm_up()
         self.control = ctx.control
         self._early: Optional[threading.Thread] = None  # the final persist, begun early
         if ctx.node == 0:
@@ -133,8 +138,8 @@ class DurableTier(Tier):
         step = recs[0]["committed_step"]
         if step <= 0 or any(r["committed_step"] != step or r["step"] != step for r in recs):
             return  # a save still copying, or none: the exit path persists as before
-        self._early = threading.Thread(target=self._write_from_slots,
-                                       args=(step, self.persister.persist_now),
+        self._early = threading.Thread(target=self.persister.persist_now,
+                                       args=(step, self._hold),
                                        name="ckptrun-final-persist", daemon=True)
         self._early.start()
 
@@ -150,9 +155,11 @@ class DurableTier(Tier):
             return
         self._warm_checked = time.monotonic()
         if any(self.memory.steps(r) for r in self.ranks):
-            self._warm_started = True
-            threading.Thread(target=storage.warm_up, name="ckptrun-dcp-import",
-                             daemon=True).start()
+            self._start_warm_up()
+
+    def _start_warm_up(self) -> None:
+        self._warm_started = True
+        threading.Thread(target=storage.warm_up, name="ckptrun-dcp-import", daemon=True).start()
 
     def finished(self, exit_code: int, stopped: bool = False) -> None:
         """Persist the newest step of a job that succeeded, or that was stopped by a signal
@@ -201,23 +208,13 @@ class DurableTier(Tier):
         cost ~0.3 s per 512 MiB here); a slot that fails its checksum, or is rewritten all
         the same, falls back to the copying reader, which says why in ``persist_failed``."""
         assert self.persister is not None
-        if self.rounds is None and self._write_from_slots(step, self.persister.final):
+        if self.rounds is None and self.persister.final(step, attempts=1, holder=self._hold):
             return
         self.persister.final(step)
 
-    def _write_from_slots(self, step: int, persist: Callable[..., bool]) -> bool:
-        """``persist(step, reader=...)`` with the slots themselves as the reader's answer."""
-        assert self.persister is not None
-        written = False
-        try:
-            with self.memory.holding(self.ranks, step) as snaps:
-                written = persist(step, reader=lambda _s: (step, snaps))
-            return written
-        except (KeyError, SlotChanged) as e:
-            log.warning("persisting step %s from the slots: %s", step, e)
-            if written:  # a slot changed under the write: that copy is not trusted
-                self.persister.forget(step)
-            return False
+    def _hold(self, step: int):
+        """The persister's holder on one machine: the slots themselves, verified, pinned."""
+        return self.memory.holding(self.ranks, step)
 
     def _read(self, min_step: int):
         """The persister's reader on one machine (several: ``PersistRounds.read``)."""
