@@ -110,6 +110,26 @@ def test_read_back_never_touches_pickled_metadata(tmp_path):
     assert_same(storage.read_rank(url, 4, 1), snaps[1])
 
 
+def test_a_new_jobs_missing_directory_is_listed_without_fsspec(tmp_path):
+    """Every start-up lists the job's durable steps; a local directory that does not exist
+    yet holds none, and seeing so must not cost fsspec's import.  An existing one is
+    listed through fsspec as before."""
+    code = textwrap.dedent(f"""
+        import sys
+        from ckptrun.tiers.durable import storage
+        assert storage.list_steps({str(tmp_path / "new")!r}) == []
+        assert storage.newest_step({str(tmp_path / "new")!r}) is None
+        print("fsspec" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)
+    assert storage.absent_locally(str(tmp_path / "new"))
+    assert not storage.absent_locally(str(tmp_path))
+    assert not storage.absent_locally("s3://bucket/new")
+    assert storage.list_steps(str(tmp_path)) == []
+
+
 def test_step_without_index_does_not_exist(tmp_path):
     url = str(tmp_path)
     storage.write_step(url, 1, snapshots(1), world_size=2)

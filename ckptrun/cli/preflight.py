@@ -70,11 +70,11 @@ def _check_shm_room(cfg: AgentConfig) -> None:
     """When the state's size is known before the start (``--resume-from``, or a durable step
     of this run), refuse a /dev/shm too small for this node's snapshot slots: Docker's 64 MB
     default otherwise kills workers with SIGBUS mid-run (DLRover's failure)."""
-    where = str(cfg.resume_from or cfg.persist_to)
-    if "://" not in where and not os.path.exists(where):
-        return  # a new job's local checkpoint directory: no need to import fsspec to see it
     from ckptrun.tiers.durable import storage  # light: DCP is imported only to write a step
 
+    where = str(cfg.resume_from or cfg.persist_to)
+    if storage.absent_locally(where):
+        return  # a new job's checkpoint directory: nothing durable yet
     try:
         url, _ = storage.resolve(where)
         index = storage.read_index(url, None)
