@@ -50,6 +50,7 @@ class Outcome:
     shm_left: List[str]
     timed_out: bool
     tail: str
+    started_at: float = 0.0  # time.time() at the launch (the step logs' clock)
 
     def records(self, event: str, attempt: Optional[int] = None) -> List[dict]:
         out = []
@@ -144,7 +145,7 @@ def launch(spec: Launch, work: str, timeout_s: float,
     cmd[cmd.index(JOB) + 1:cmd.index(JOB) + 1] = ["--log-dir", log_dir]
     env = dict(os.environ, PYTHONPATH=ROOT, **spec.env)
     out_path = os.path.join(work, "launcher.log")
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     timed_out = False
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -169,7 +170,7 @@ def launch(spec: Launch, work: str, timeout_s: float,
     with open(out_path, errors="replace") as f:
         tail = f.read()[-2000:]
     return Outcome(proc.returncode, wall, read_logs(log_dir), events,
-                   [os.path.basename(p) for p in left], timed_out, tail)
+                   [os.path.basename(p) for p in left], timed_out, tail, started_at)
 
 
 def steps_per_s(outcome: Outcome, attempt: int, skip: int) -> Optional[float]:

@@ -44,6 +44,10 @@ COLUMNS = [("size", "state/rank", "str"), ("case", "case", "str"),
            ("step_s", "step s (slope)", "float"), ("ratio", "vs torchrun", "ratio"),
            ("met", "≤ 1.05x", "str"), ("vs_floor", "vs the floor", "ratio"),
            ("fixed_s", "fixed cost s", "float"),
+           ("first_s", "launch → 1st step s", "float"),
+           ("warmup_s", "warm-up steps' extra s", "float"),
+           ("end_s", "last step → exit s", "float"),
+           ("persist_s", "final persist s", "float"),
            ("opt_ms", "optimizer.step() ms", "float"), ("save_ms", "save() ms", "float"),
            ("reps", "reps", "int"), ("note", "note", "str")]
 
@@ -59,6 +63,25 @@ def _step_s(out: Outcome) -> float:
     recs = [r for r in out.logs.get((0, 0), []) if r["event"] == "step"][SKIP:]
     gaps = [b["time"] - a["time"] for a, b in zip(recs, recs[1:])]
     return statistics.median(gaps) if gaps else float("nan")
+
+
+def _phases(out: Outcome, step: float) -> Dict[str, float]:
+    """Where the fixed cost goes (≈ first_s − step + warmup_s + end_s): the launch to rank
+    0's first completed step (launcher, rendezvous, the script's start-up, one step); what
+    the warm-up steps took beyond the slope (first saves: slots faulted in, DDP's layout);
+    the last step to the launcher's exit (the script's teardown, the final persist,
+    shutdown); and the final persist itself (ckptrun's ``persisted`` event)."""
+    recs = [r for r in out.logs.get((0, 0), []) if r["event"] == "step"]
+    if not recs or not out.started_at:
+        return {}
+    got = {"first_s": recs[0]["time"] - out.started_at,
+           "end_s": out.started_at + out.wall_s - recs[-1]["time"]}
+    if len(recs) > SKIP:
+        got["warmup_s"] = recs[SKIP]["time"] - recs[0]["time"] - SKIP * step
+    persisted = [e for e in out.events if e.get("event") == "persisted"]
+    if persisted:
+        got["persist_s"] = float(persisted[-1].get("seconds") or 0.0)
+    return got
 
 
 def _median_ms(out: Outcome, key: str) -> float:
@@ -92,7 +115,8 @@ def one_run(case: dict, hidden: int, steps: int, root: str) -> dict:
         step = _step_s(out)
         return {"step_s": step, "wall_s": out.wall_s, "fixed_s": out.wall_s - steps * step,
                 "pairs": block_slowdowns(out, skip=SKIP) if case["job"] else [],
-                "opt_ms": _median_ms(out, "opt_s"), "save_ms": _median_ms(out, "save_s")}
+                "opt_ms": _median_ms(out, "opt_s"), "save_ms": _median_ms(out, "save_s"),
+                **_phases(out, step)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -134,6 +158,10 @@ def _rows(size: str, hidden: int, steps: int, samples: Dict[str, List[dict]]) ->
             row.update(step_s=step, fixed_s=statistics.median(s["fixed_s"] for s in good),
                        opt_ms=statistics.median(s["opt_ms"] for s in good),
                        save_ms=statistics.median(s["save_ms"] for s in good))
+            for key in ("first_s", "warmup_s", "end_s", "persist_s"):
+                vals = [s[key] for s in good if key in s]
+                if vals:
+                    row[key] = statistics.median(vals)
             if base is None:
                 base = step
                 row["ratio"] = 1.0

@@ -38,3 +38,22 @@ def test_rows_take_the_ratio_from_slopes_and_from_block_pairs():
     blocks = rows["ckptrun, save() on/off in blocks"]
     assert blocks["ratio"] == pytest.approx(1 / 0.97) and blocks["met"] == "yes"
     assert blocks["reps"] == 1 and "1 run(s) failed" in blocks["note"]
+
+
+def test_the_fixed_cost_is_split_into_its_phases():
+    """launch → first step, the warm-up steps beyond the slope, last step → exit and the
+    final persist, from one launch's step logs and events (clock: the launch's time.time())."""
+    from benchmarks.jobrun import Outcome
+    from benchmarks.steady_state import SKIP, _phases
+
+    t0 = 1000.0
+    steps = [{"event": "step", "time": t0 + 3.0 + i * 0.5 + (1.0 if i >= 1 else 0.0)}
+             for i in range(SKIP + 4)]  # the second step took 1 s more (a first save)
+    out = Outcome(0, 12.0, {(0, 0): steps}, [{"event": "persisted", "seconds": 0.7}], [],
+                  False, "", started_at=t0)
+    got = _phases(out, 0.5)
+    assert got["first_s"] == pytest.approx(3.0)
+    assert got["warmup_s"] == pytest.approx(1.0)
+    assert got["end_s"] == pytest.approx(12.0 - (3.0 + (SKIP + 3) * 0.5 + 1.0))
+    assert got["persist_s"] == pytest.approx(0.7)
+    assert _phases(Outcome(0, 1.0, {}, [], [], False, ""), 0.5) == {}
