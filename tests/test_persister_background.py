@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -301,14 +302,19 @@ def test_every_steps_asks_for_the_multiples_of_n(tmp_path):
     p.stop()
 
 
-def _one_machine_tier(tmp_path, token, **cfg_fields):
+@contextlib.contextmanager
+def one_machine_tier(tmp_path, **cfg_fields):
+    """``(tier, memory, control, events)``: the durable tier of a 2-rank machine, as an
+    agent builds it, with its shared memory removed afterwards."""
+    import uuid
+
     from ckptrun import protocol as P
     from ckptrun.config import AgentConfig
     from ckptrun.tiers.durable import tier as durable
     from ckptrun.tiers.interface import TierContext
     from ckptrun.tiers.memory.node import NodeMemory
 
-    events = []
+    token, events = "tier" + uuid.uuid4().hex[:8], []
     cfg = AgentConfig(script="train.py", nproc_per_node=2, persist_to=str(tmp_path / "ck"),
                       **cfg_fields)
     memory = NodeMemory(token, num_slots=3)
@@ -316,13 +322,32 @@ def _one_machine_tier(tmp_path, token, **cfg_fields):
     tier = durable.DurableTier(TierContext(
         cfg=cfg, node=0, nnodes=1, store=None, memory=memory, control=control, token=token,
         emit=lambda event, **f: events.append(dict(f, event=event))))
-    return tier, memory, control, events
+    try:
+        yield tier, memory, control, events
+    finally:
+        tier.close()
+        control.close()
+        memory.cleanup()
+        for f in os.listdir("/dev/shm"):
+            if token in f:
+                os.unlink(os.path.join("/dev/shm", f))
 
 
-def _drop_shm(token):
-    for f in os.listdir("/dev/shm"):
-        if token in f:
-            os.unlink(os.path.join("/dev/shm", f))
+def _commit(memory, rank: int, step: int, state: dict) -> list:
+    """``state`` committed as ``rank``'s ``step`` in ``memory``; its tensors, copied."""
+    from ckptrun import snapshot as S
+
+    tree, items = S.flatten(state)
+    memory.write(rank, S.make_meta(step, rank, 2, tree, items, [0] * len(items)),
+                 [t for _, t in items], step=step)
+    return [t.clone() for _, t in items]
+
+
+def _soon(pred, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(pred())
 
 
 @pytest.mark.parametrize("due", [{"persist_every_steps": 5, "persist_every_seconds": None},
@@ -331,42 +356,19 @@ def test_a_persist_due_within_the_first_steps_imports_at_the_start(tmp_path, mon
                                                                    due):
     """``--persist-every N`` (or a short period): the first persist comes within a few
     steps, and importing then would make it miss the multiples it is to catch."""
-    import uuid
-
     imports = []
     monkeypatch.setattr(storage, "warm_up", lambda: imports.append(time.monotonic()))
-    token = "warm" + uuid.uuid4().hex[:8]
-    tier, memory, control, _ = _one_machine_tier(tmp_path, token, **due)
-    try:
-        deadline = time.monotonic() + 10
-        while not imports and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with one_machine_tier(tmp_path, **due):
+        assert _soon(lambda: imports)
         assert len(imports) == 1
-    finally:
-        tier.close()
-        control.close()
-        memory.cleanup()
-        _drop_shm(token)
 
 
 def test_the_final_persist_writes_the_slots_without_copying_them_out(tmp_path, monkeypatch):
     """At the job's end the workers are stopped: the final step is written from the slots
     themselves (verified, pinned), not from private copies -- and reads back bitwise."""
-    import uuid
-
-    from ckptrun import snapshot as S
-
-    token = "fin" + uuid.uuid4().hex[:8]
-    tier, memory, control, events = _one_machine_tier(tmp_path, token)
-    try:
-        want = {}
-        for r in (0, 1):
-            state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(r)),
-                     "step": 5}
-            tree, items = S.flatten(state)
-            want[r] = [t.clone() for _, t in items]
-            memory.write(r, S.make_meta(5, r, 2, tree, items, [0] * len(items)),
-                         [t for _, t in items], step=5)
+    with one_machine_tier(tmp_path) as (tier, memory, _, events):
+        want = {r: _commit(memory, r, 5, {"w": torch.randn(
+            1000, generator=torch.Generator().manual_seed(r)), "step": 5}) for r in (0, 1)}
 
         def no_copies(*a, **k):
             raise AssertionError("the final persist copied the slots out")
@@ -374,51 +376,31 @@ def test_the_final_persist_writes_the_slots_without_copying_them_out(tmp_path, m
         tier.finished(0)
         assert [e["step"] for e in events if e["event"] == "persisted"] == [5], events
         for r in (0, 1):
-            meta, tensors = storage.read_rank(str(tmp_path / "ck"), 5, r)
+            _, tensors = storage.read_rank(str(tmp_path / "ck"), 5, r)
             assert all(torch.equal(a, b) for a, b in zip(want[r], tensors))
-    finally:
-        tier.close()
-        control.close()
-        memory.cleanup()
-        _drop_shm(token)
 
 
 def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeypatch):
     """The durable tier imports DCP (seconds of CPU) only when the job's first snapshot
     shows up, not at the start, when the workers are importing torch on the same cores --
     and a job that never saves never pays for it."""
-    import uuid
-
-    from ckptrun import snapshot as S
     from ckptrun.tiers.durable import tier as durable
 
     imports = []
     monkeypatch.setattr(storage, "warm_up", lambda: imports.append(time.monotonic()))
     monkeypatch.setattr(durable, "WARM_CHECK_S", 0.0)
-    token = "warm" + uuid.uuid4().hex[:8]
-    tier, memory, control, _ = _one_machine_tier(tmp_path, token)
-    try:
+    with one_machine_tier(tmp_path) as (tier, memory, _, _):
         for _ in range(3):
             tier.tick()
         time.sleep(0.1)
         assert imports == []  # no snapshot yet
-        tree, items = S.flatten({"w": torch.ones(4)})
-        memory.write(0, S.make_meta(1, 0, 1, tree, items, [0] * len(items)),
-                     [t for _, t in items], step=1)
+        _commit(memory, 0, 1, {"w": torch.ones(4)})
         for _ in range(3):
             tier.tick()
-        deadline = time.monotonic() + 10
-        while not imports and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert _soon(lambda: imports)
+        for _ in range(3):
+            tier.tick()
         assert len(imports) == 1  # once, on its own thread
-        for _ in range(3):
-            tier.tick()
-        assert len(imports) == 1
-    finally:
-        tier.close()
-        control.close()
-        memory.cleanup()
-        _drop_shm(token)
 
 
 @pytest.mark.parametrize("ended_ok", [1, 0])
@@ -427,18 +409,11 @@ def test_the_last_step_is_persisted_while_the_workers_tear_down(tmp_path, ended_
     committed: the agent's tick writes that step at once, before the workers have exited,
     and the end of the job finds it durable (one ``persisted``).  A script that failed
     leaves the decision to the job's end, as before."""
-    import uuid
-
-    from ckptrun import snapshot as S
     from ckptrun.protocol import Phase
 
-    token = "early" + uuid.uuid4().hex[:8]
-    tier, memory, control, events = _one_machine_tier(tmp_path, token)
-    try:
+    with one_machine_tier(tmp_path) as (tier, memory, control, events):
         for r in (0, 1):
-            tree, items = S.flatten({"w": torch.full((100,), float(r)), "step": 7})
-            memory.write(r, S.make_meta(7, r, 2, tree, items, [0] * len(items)),
-                         [t for _, t in items], step=7)
+            _commit(memory, r, 7, {"w": torch.full((100,), float(r)), "step": 7})
             control.set(r, "committed_step", 7)
             control.set(r, "step", 7)
             control.set(r, "ended_ok", ended_ok)
@@ -455,11 +430,6 @@ def test_the_last_step_is_persisted_while_the_workers_tear_down(tmp_path, ended_
         tier.finished(0)
         assert [e["step"] for e in events if e["event"] == "persisted"] == [7], events
         assert storage.newest_step(str(tmp_path / "ck")) == 7
-    finally:
-        tier.close()
-        control.close()
-        memory.cleanup()
-        _drop_shm(token)
 
 
 def test_a_job_whose_teardown_is_slow_is_persisted_before_it_ends(tmp_path):
