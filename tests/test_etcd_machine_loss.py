@@ -134,3 +134,53 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
     assert rs["tier"] == "memory" and rc["tier"] == "peer", (rs, rc)
     assert rs["step"] == rc["step"] > 0
     assert_bitwise_equal(out, reference)
+
+
+def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
+                                                       tmp_path_factory):
+    """``--standby`` with ``--rdzv-backend etcd-v2``: the standby waits in etcd's store
+    (the takeover's agreement is a compare-and-set there), holds both machines' copies, and
+    takes the place of group rank 0 -- whose loss ends a c10d job -- when its agent is
+    SIGKILLed; nobody is started after the loss, and the run ends bitwise exact."""
+    require_namespaces()
+    reference = reference_weights(tmp_path_factory)(2)
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
+              "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", uuid.uuid4().hex[:8],
+              "--max-restarts", "3", "--replicas", "2"]
+    out = str(tmp_path / "final.pt")
+    procs = {n: machine(tmp_path, n, common, out) for n in "ab"}
+    procs["s"] = machine(tmp_path, "s", common + ["--standby"], out)
+    try:
+        nodes = wait_until(lambda: all("node" in status(procs[n].run_dir) for n in "ab")
+                           and {n: status(procs[n].run_dir)["node"] for n in "ab"},
+                           120, "both machines in the job", list(procs.values()))
+        victim = next(n for n, g in nodes.items() if g == 0)
+        survivor = procs["b" if victim == "a" else "a"]
+        standby = procs["s"]
+
+        def ready() -> bool:
+            st = status(standby.run_dir)
+            return bool(st.get("standby") and st.get("standby_holds_step") is not None
+                        and any(w.get("step", 0) >= 10
+                                for w in status(survivor.run_dir).get("workers", []))
+                        and of(survivor.run_dir, "replicated"))
+        wait_until(ready, 180, "step 10, copies on the peer and on the standby",
+                   list(procs.values()))
+        os.kill(procs[victim].pid, signal.SIGKILL)  # agent, workers (reaper), its memory
+        procs[victim].wait(timeout=30)
+        codes = [p.wait(timeout=240) for p in (survivor, standby)]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
+    assert codes == [0, 0], logs
+    assert of(standby.run_dir, "standby_joined"), logs["s"]
+    assert of(standby.run_dir, "start")[0]["node"] == 0  # took group rank 0's place
+    rs, rb = recovery(survivor.run_dir), recovery(standby.run_dir)
+    assert rs["tier"] == "memory" and rb["tier"] in ("memory", "peer"), (rs, rb)
+    assert rs["step"] == rb["step"] > 0
+    assert recovery(survivor.run_dir, "restart").get("standby_took") is not None, \
+        of(survivor.run_dir, "restart")
+    assert_bitwise_equal(out, reference)
