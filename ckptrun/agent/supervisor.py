@@ -52,6 +52,11 @@ from ckptrun.tiers.memory.node import NodeMemory
 from ckptrun.tiers.peer.standby_copies import describe as describe_standby
 from ckptrun.tiers.restore_decision import decide_restore
 
+# How long a worker's exception waits for news of a lost machine before it counts as a
+# failure of its own (the link to a lost machine's agent broke 20-130 ms after the
+# survivor's worker raised, in the machine-loss tests)
+LOSS_GRACE_S = 0.3
+
 
 class ResumeRefused(Exception):
     """``--resume-from`` names a checkpoint no step of which every rank can restore: the job
@@ -360,6 +365,7 @@ class Agent:
             if fatal is not None:  # before the exit it causes: a restart cannot fix it
                 return fatal
             if failed:
+                self._await_a_lost_machine([c for _, c in failed])  # raises NodeLost
                 self._note_restored([self.control.record(w.local_rank) for w in self.workers])
                 seen = []
                 for w, c in failed:
@@ -398,6 +404,23 @@ class Agent:
                 self.coord.set_rollback(attempt + 1, int(rollback["step"]))
                 return self.coord.request_restart(attempt)
             self._write_status()
+
+    def _await_a_lost_machine(self, codes: List[int]) -> None:
+        """A worker of a job on several machines raised (or aborted): most often because a
+        collective's connection to a machine that is gone closed, and the link to that
+        machine's agent breaks within the same few tens of milliseconds.  Waiting that long
+        makes it one restart, with the new membership, instead of a local restart first --
+        which the loss, seen a moment later, throws away together with the warm spares it
+        used (the next start is then cold: seconds).  A worker killed by a signal is its
+        own failure: no wait."""
+        if self.live is None or not any(c > 0 or c == -signal.SIGABRT for c in codes):
+            return
+        deadline = time.monotonic() + LOSS_GRACE_S
+        while True:
+            self.live.check()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
     def _tend_hot_spares(self) -> None:
         """``--hot-spares``: once a worker runs its resilient function (and the group is past

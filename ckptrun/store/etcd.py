@@ -14,6 +14,7 @@ rendezvous state, ``create_handler`` for the dynamic rendezvous); only the store
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import List, Sequence
 
@@ -73,7 +74,14 @@ def create_etcd_v2_handler(params, key=None, on_forged=None):
     from ckptrun.store.authenticated import AuthenticatedBackend, AuthenticatedStore
 
     backend, store = create_backend(params)
-    cas = CasEtcdStore(store.client, store.prefix, store.timeout)
+    # torch keeps every job's store under one fixed prefix (its own keys carry the run id);
+    # ckptrun's -- the epoch, the done counts, a standby's offers -- do not, so on an etcd
+    # that several jobs share they get a prefix of the job's own: a job finishing must not
+    # tell the next job's standby that its job is over
+    # (a digest of the run id: any string is a legal --rdzv-id, not every string a key path)
+    run = hashlib.sha256(params.run_id.encode()).hexdigest()[:32]
+    prefix = f"{store.prefix.rstrip('/')}/run-{run}"
+    cas = CasEtcdStore(store.client, prefix, store.timeout)
     if key is None:
         return create_handler(cas, backend, params), cas
     sealed = AuthenticatedStore(cas, key, on_forged)
