@@ -118,22 +118,41 @@ def test_jobs_sharing_an_etcd_do_not_see_each_others_keys(etcd_endpoint):
     assert two.add("ckptrun/done/0", 0) == 0 and one.add("ckptrun/done/0", 0) == 1
 
 
-def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd_endpoint,
-                                                                   tmp_path_factory):
-    require_namespaces()
-    reference = reference_weights(tmp_path_factory)(2)
+def _two_machines(tmp_path, etcd_endpoint, standby: bool = False):
+    """Machines a and b (and standby s) of one etcd-v2 job; returns ``(procs, common, out,
+    victim, survivor)`` once both are in the job: the victim is group rank 0, whoever the
+    rendezvous made it -- the machine whose loss ends a c10d job."""
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
               "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", uuid.uuid4().hex[:8],
               "--max-restarts", "3", "--replicas", "2"]
     out = str(tmp_path / "final.pt")
     procs = {n: machine(tmp_path, n, common, out) for n in "ab"}
+    if standby:
+        procs["s"] = machine(tmp_path, "s", common + ["--standby"], out)
     try:
-        # Group rank 0 is whoever the rendezvous made it: that machine is the one to lose.
-        nodes = wait_until(lambda: all("node" in status(p.run_dir) for p in procs.values())
-                           and {n: status(p.run_dir)["node"] for n, p in procs.items()},
+        nodes = wait_until(lambda: all("node" in status(procs[n].run_dir) for n in "ab")
+                           and {n: status(procs[n].run_dir)["node"] for n in "ab"},
                            120, "both machines in the job", list(procs.values()))
-        victim = next(n for n, g in nodes.items() if g == 0)
-        survivor = procs["b" if victim == "a" else "a"]
+    except BaseException:
+        _stop_all(procs)
+        raise
+    victim = next(n for n, g in nodes.items() if g == 0)
+    return procs, common, out, victim, procs["b" if victim == "a" else "a"]
+
+
+def _stop_all(procs) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd_endpoint,
+                                                                   tmp_path_factory):
+    require_namespaces()
+    reference = reference_weights(tmp_path_factory)(2)
+    procs, common, out, victim, survivor = _two_machines(tmp_path, etcd_endpoint)
+    try:
         wait_until(lambda: of(survivor.run_dir, "replicated")
                    and any(w.get("step", 0) >= 10
                            for w in status(survivor.run_dir).get("workers", [])),
@@ -143,10 +162,7 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
         procs["c"] = machine(tmp_path, "c", common, out)
         codes = [p.wait(timeout=240) for p in (survivor, procs["c"])]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        _stop_all(procs)
     logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
     assert codes == [0, 0], logs
     assert of(procs["c"].run_dir, "start")[0]["node"] == 0  # the newcomer took rank 0
@@ -165,20 +181,9 @@ def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
     SIGKILLed; nobody is started after the loss, and the run ends bitwise exact."""
     require_namespaces()
     reference = reference_weights(tmp_path_factory)(2)
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
-              "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", uuid.uuid4().hex[:8],
-              "--max-restarts", "3", "--replicas", "2"]
-    out = str(tmp_path / "final.pt")
-    procs = {n: machine(tmp_path, n, common, out) for n in "ab"}
-    procs["s"] = machine(tmp_path, "s", common + ["--standby"], out)
+    procs, _, out, victim, survivor = _two_machines(tmp_path, etcd_endpoint, standby=True)
+    standby = procs["s"]
     try:
-        nodes = wait_until(lambda: all("node" in status(procs[n].run_dir) for n in "ab")
-                           and {n: status(procs[n].run_dir)["node"] for n in "ab"},
-                           120, "both machines in the job", list(procs.values()))
-        victim = next(n for n, g in nodes.items() if g == 0)
-        survivor = procs["b" if victim == "a" else "a"]
-        standby = procs["s"]
-
         def ready() -> bool:
             st, su = status(standby.run_dir), status(survivor.run_dir)
             return bool(st.get("standby") and st.get("standby_holds_step") is not None
@@ -191,10 +196,7 @@ def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
         procs[victim].wait(timeout=30)
         codes = [p.wait(timeout=240) for p in (survivor, standby)]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        _stop_all(procs)
     logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
     assert codes == [0, 0], logs
     assert of(standby.run_dir, "standby_joined"), logs["s"]
