@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 import time
 
@@ -21,8 +22,12 @@ from ckptrun.tiers.durable import storage
 
 
 def real_snapshot(rank: int, step: int, world: int):
-    """A snapshot made by the memory tier's own flatten (nested state, numpy RNG, ...)."""
+    """A snapshot made by the memory tier's own flatten (nested state, numpy RNG, ...);
+    a function of ``rank`` and ``step`` alone: every RNG it captures is seeded (code run in
+    between -- a first import -- may draw from Python's or numpy's)."""
     torch.manual_seed(step * 10 + rank)
+    random.seed(step * 10 + rank)
+    np.random.seed(step * 10 + rank)
     state = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "step": step,
              "rng": capture_rng(), "np": np.arange(4, dtype=np.float32), "name": "run"}
     tree, items = flatten(state)
