@@ -384,17 +384,15 @@ def test_what_a_persist_imports_is_imported_once_the_job_saves(tmp_path, monkeyp
     """The durable tier imports DCP (seconds of CPU) only when the job's first snapshot
     shows up, not at the start, when the workers are importing torch on the same cores --
     and a job that never saves never pays for it."""
-    from ckptrun.tiers.durable import tier as durable
-
     imports = []
     monkeypatch.setattr(storage, "warm_up", lambda: imports.append(time.monotonic()))
-    monkeypatch.setattr(durable, "WARM_CHECK_S", 0.0)
-    with one_machine_tier(tmp_path) as (tier, memory, _, _):
+    with one_machine_tier(tmp_path) as (tier, memory, control, _):
         for _ in range(3):
             tier.tick()
         time.sleep(0.1)
         assert imports == []  # no snapshot yet
         _commit(memory, 0, 1, {"w": torch.ones(4)})
+        control.set(0, "committed_step", 1)  # what the worker's save says when it commits
         for _ in range(3):
             tier.tick()
         assert _soon(lambda: imports)

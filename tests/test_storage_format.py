@@ -119,6 +119,7 @@ def test_a_new_jobs_missing_directory_is_listed_without_fsspec(tmp_path):
         from ckptrun.tiers.durable import storage
         assert storage.list_steps({str(tmp_path / "new")!r}) == []
         assert storage.newest_step({str(tmp_path / "new")!r}) is None
+        assert not storage.is_checkpoint({str(tmp_path / "new")!r})  # preflight's resolve
         print("fsspec" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -72,11 +72,8 @@ def _check_shm_room(cfg: AgentConfig) -> None:
     default otherwise kills workers with SIGBUS mid-run (DLRover's failure)."""
     from ckptrun.tiers.durable import storage  # light: DCP is imported only to write a step
 
-    where = str(cfg.resume_from or cfg.persist_to)
-    if storage.absent_locally(where):
-        return  # a new job's checkpoint directory: nothing durable yet
     try:
-        url, _ = storage.resolve(where)
+        url, _ = storage.resolve(cfg.resume_from or cfg.persist_to)
         index = storage.read_index(url, None)
     except Exception:  # noqa: BLE001 -- nothing durable yet: the first save checks instead
         return

@@ -117,7 +117,7 @@ class Persister:
         self._stopping.set()  # no new background persists from here on
         self._wake.set()
         with self._io:
-            if self._persisted_step is not None and self._persisted_step >= step:
+            if self._durable(step):
                 return True
             for attempt in range(attempts):
                 if self._persist_once(step, holder=holder):
@@ -133,9 +133,11 @@ class Persister:
         workers tear down); True when it is durable.  Unlike :meth:`final` the background
         persists go on: the job may still fail and train on."""
         with self._io:
-            if self._persisted_step is not None and self._persisted_step >= step:
-                return True
-            return bool(self._persist_once(step, holder=holder))
+            return self._durable(step) or bool(self._persist_once(step, holder=holder))
+
+    def _durable(self, step: int) -> bool:
+        """``step`` (or a later one) is persisted already: the job's end need not write it."""
+        return self._persisted_step is not None and self._persisted_step >= step
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; an in-flight write is left to finish in the daemon thread."""

@@ -247,6 +247,8 @@ def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
     step directory itself, any step accepted).  One that is there but malformed -- not JSON,
     a field of the wrong type or out of bounds, a data file outside the directory -- raises
     :class:`StorageError` saying what is wrong: such a step is damaged, not absent."""
+    if absent_locally(url):
+        return None
     fs, sdir = _step_dir(url, step)
     path = posixpath.join(sdir, INDEX_NAME)
     try:

@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 CATCH_AHEAD = 2  # steps before a --persist-every multiple at which its slots are watched
 CATCH_WAIT_S = 5.0  # the longest a read waits for that step (the persister's thread)
-WARM_CHECK_S = 1.0  # how often the job is looked at for its first snapshot (then: never)
 WARM_EARLY_S = 60.0  # a persist period shorter than this imports DCP at the start
 
 
@@ -70,7 +69,6 @@ class DurableTier(Tier):
         # not while the workers import torch (on a small machine its ~2 s of CPU came out of
         # every job's start-up), and not at all for a job that never saves.
         self._warm_started = False
-        self._warm_checked = 0.0
         if self.every_steps or (cfg.persist_every_seconds or 0) < WARM_EARLY_S:
             self._start_warm_up()
         self.control = ctx.control
@@ -130,7 +128,7 @@ class DurableTier(Tier):
         groups, data loaders, CUDA contexts: up to seconds); :meth:`finished` then finds it
         durable.  A job that fails after all keeps a step it had committed, as a background
         persist would have; several machines persist their last step in a round instead."""
-        if self._early is not None or self.rounds is not None or self.control is None:
+        if self._early is not None or self.rounds is not None:
             return
         recs = [self.control.record(lr) for lr in range(len(self.ranks))]
         if not all(r["phase"] == Phase.DONE and r["ended_ok"] == 1 for r in recs):
@@ -149,12 +147,11 @@ class DurableTier(Tier):
             self._early = None
 
     def _warm_up_once_saving(self) -> None:
-        """Start importing what a persist needs when the first snapshot shows up (headers
-        only, at most once a second), so that the first persist does not pay for it."""
-        if self._warm_started or time.monotonic() - self._warm_checked < WARM_CHECK_S:
-            return
-        self._warm_checked = time.monotonic()
-        if any(self.memory.steps(r) for r in self.ranks):
+        """Start importing what a persist needs when the first snapshot is committed (the
+        control block says so: no slot file is opened), so that the first persist does not
+        pay for it."""
+        if not self._warm_started and any(
+                self.control.get(lr, "committed_step") > 0 for lr in range(len(self.ranks))):
             self._start_warm_up()
 
     def _start_warm_up(self) -> None:
