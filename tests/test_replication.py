@@ -381,3 +381,16 @@ def test_the_step_all_restore_ranks_share_is_never_overwritten(token):
     assert store.incoming_path(0) == store.path(0, 0)  # now 5 may go
     store.done(0)
     assert PeerStore(token).incoming_path(0) == store.path(0, 0)  # no pins: not the newest
+
+
+def test_a_copy_file_still_being_created_is_no_copy_and_breaks_nothing(token):
+    """A receive creates its file before sizing it: a header read meanwhile finds fewer
+    bytes than a header.  That file holds no copy -- and the serving thread that looked at
+    it goes on (a ``struct.error`` there once killed a standby's server mid-job)."""
+    store = PeerStore(token, pin_ranks=[0])
+    make_slot(store.path(0, 0), 5, b"a" * 4096, rank=0)
+    open(store.path(0, 1), "wb").close()  # created, not yet sized
+    assert store.copies(0) == {5: store.path(0, 0)}
+    assert store.latest(0) == (5, store.path(0, 0)) and store.pinned_step() == 5
+    assert store.incoming_path(0) == store.path(0, 1)
+    store.done(0)

@@ -261,11 +261,16 @@ class PeerStore:
 
 
 def _read_header(path: str) -> Optional[P.SlotHeader]:
+    """The header of a copy file; None if it is missing, or shorter than a header -- a
+    receive creates the file before it sizes it, and a thread serving a peer must not die of
+    looking at it meanwhile (the standby's did: it received nothing more, and with both
+    holders of a copy lost the job restarted from scratch)."""
     try:
         with open(path, "rb") as f:
-            return P.SlotHeader.unpack_from(f.read(P.SLOT_HEADER_SIZE))
+            raw = f.read(P.SLOT_HEADER_SIZE)
     except OSError:
         return None
+    return P.SlotHeader.unpack_from(raw) if len(raw) == P.SLOT_HEADER_SIZE else None
 
 
 def _slot_regions(mm) -> Tuple[P.SlotHeader, list]:
