@@ -149,6 +149,23 @@ def test_corrupted_memory_copy_is_never_loaded(tmp_path, reference):
     no_shm_left(run_dir)
 
 
+def test_nothing_left_to_restore_is_said_loudly_not_a_silent_fresh_start(tmp_path, reference):
+    """Every memory copy of rank 1 is corrupted and nothing was persisted: the workers can
+    only start over -- and the agent says so (``progress_lost``, a WARNING on stderr) with the
+    step that was lost.  The deterministic job still ends with the right weights."""
+    run_dir = str(tmp_path / "run")
+    proc = run_job(run_dir, str(tmp_path / "final.pt"), "--corrupt-at", "12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evts = events(run_dir)
+    assert not of(evts, "restored"), evts
+    lost = of(evts, "progress_lost")
+    assert len(lost) == 1 and lost[0]["step"] >= 12 and lost[0]["attempt"] == 1, evts
+    assert "WARNING: no step can be restored for every rank" in proc.stderr, proc.stderr[-3000:]
+    assert f"reached step {lost[0]['step']}" in proc.stderr
+    assert_bitwise_equal(load(str(tmp_path / "final.pt")), reference)
+    no_shm_left(run_dir)
+
+
 def test_agent_killed_then_rerun_resumes_from_storage(tmp_path, reference):
     """The agent dies (SIGKILL): no worker survives; the same command resumes from storage."""
     run_dir = str(tmp_path / "run")

@@ -60,7 +60,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      victim_step: int = 10, persisted: bool = False,
                      replicated: bool = False, measured: bool = False,
                      standbys: int = 0, standby_copies: bool = True,
-                     stagger_s: float = 0.0) -> Loss:
+                     stagger_s: float = 0.0, last_first: bool = False) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
     after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
     -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
@@ -69,7 +69,8 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     machine holding a copy of a victim's snapshots (``ckptrun status``: checkpoint.peers);
     ``measured``: for every agent's pacer to have measured what a round costs (until then
     rounds run only every 2-3 steps, see docs/multinode.md, and the lag is not the job's);
-    ``stagger_s``: the victims die that far apart (the survivors see them lost one by one)."""
+    ``stagger_s``: the victims die that far apart (the survivors see them lost one by one);
+    ``last_first``: in the reverse order (the last machine first)."""
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
     common = ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
@@ -109,7 +110,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
         at = max(w.get("step", 0) for v in lost for w in status(v.run_dir).get("workers", []))
         assert at <= STEPS - 10, f"the job was at step {at} of {STEPS} when it was ready"
         t_loss = time.monotonic()
-        for i, v in enumerate(lost):  # the agents: their reapers take the workers with them
+        for i, v in enumerate(lost[::-1] if last_first else lost):  # the agents: their reapers take the workers with them
             if i and stagger_s:
                 time.sleep(stagger_s)
             os.kill(v.pid, signal.SIGKILL)
@@ -284,17 +285,21 @@ def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(
     copies.  The standby takes one place, nobody takes the other, so the survivor, the
     standby and a replacement started by hand meet in a round of torch's rendezvous instead.
     ``together``: the survivor sees both losses at once and offers both places; nobody takes
-    the second within the offer's time.  ``one-by-one``: it sees b lost first and the
-    standby takes b's place, but c (lost 0.3 s later) never joins that membership -- or
-    joins it and is lost from it -- and everyone re-forms in torch's round rather than
-    waiting for c (this hung the job once).  The standby held every machine's copies, so
-    the placement group's loss costs no trip to storage: everyone restores the same step
-    from memory, the replacement pulling its ranks from a holder.  The durable store is
-    written only at step 40, after the loss, so that storage cannot win by being newer."""
+    the second within the offer's time (or it sees one loss first, as ``one-by-one``).
+    ``one-by-one``: it sees c lost first and the standby takes c's place, but b (lost 0.3 s
+    later) never joins that membership -- or joins it and is lost from it -- and everyone
+    re-forms in torch's round rather than waiting for b (this hung the job once).  b's
+    copies were on b and c only: the standby, which had taken c's place, must still have
+    its copy of b's ranks (it once dropped every copy but its new place's, and the job
+    silently started over from step 0).  The standby held every machine's copies, so the
+    placement group's loss costs no trip to storage: everyone restores the same step from
+    memory, the replacement pulling its ranks from a holder.  The durable store is written
+    only at step 40, after the loss, so that storage cannot win by being newer."""
     store = tmp_path / "durable"
     loss = lose_and_replace(
         tmp_path, ["--replicas", "2", "--persist-every", "40", "--persist-to", str(store)],
-        nnodes=3, victims=2, replicated=True, standbys=1, stagger_s=stagger_s)
+        nnodes=3, victims=2, replicated=True, standbys=1, stagger_s=stagger_s,
+        last_first=True)
     holders = placement.placement(3, 2)
     assert any(set(hs) <= set(loss.lost_nodes) for hs in holders), (holders, loss.lost_nodes)
     (a,), (s, x) = loss.survivors, loss.newcomers
@@ -303,6 +308,7 @@ def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(
     # the restart that ended the recovery was torch's round, not a takeover
     assert "standby_took" not in of(a.run_dir, "restart")[-1], of(a.run_dir, "restart")
     restored = [recovery(m.run_dir) for m in (a, s, x)]
+    assert not any(of(m.run_dir, "progress_lost") for m in (a, s, x))
     assert [r["tier"] for r in restored[:2]] == ["memory", "memory"], restored
     assert restored[2]["tier"] in ("memory", "peer"), restored
     assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored

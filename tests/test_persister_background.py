@@ -466,3 +466,28 @@ def test_a_job_whose_teardown_is_slow_is_persisted_before_it_ends(tmp_path):
     persisted = [e for e in events if e["event"] == "persisted"]
     assert [e["step"] for e in persisted] == [5], events
     assert persisted[0]["time"] < float(ended.read_text()), "persisted only after the exit"
+
+
+def test_a_round_stopped_while_a_machine_is_silent_is_no_failed_persist(tmp_path):
+    """A persist round waits for every machine's newest step; a machine is lost and the
+    agent stops the tier to re-form the job.  The round is abandoned -- not reported as a
+    failed persist of a step that was not even due (``persisting step 40 failed: ...
+    stopped while waiting`` on every machine loss)."""
+    import torch.distributed as dist
+
+    from ckptrun.tiers.durable.rounds import PersistRounds
+
+    class Empty:  # this node's ranks committed step 3
+        def newest_committed(self, ranks):
+            return 3
+
+    events: list = []
+    rounds = PersistRounds(dist.HashStore(), 0, 2, [0], Empty(),
+                           lambda e, **f: events.append(e), str(tmp_path / "durable"))
+    persister = Persister(str(tmp_path / "durable"), reader=rounds.read, world_size=2,
+                          emit=lambda e, **f: events.append(e))
+    threading.Timer(0.3, rounds.stop).start()  # node 1 never answers
+    t0 = time.monotonic()
+    assert persister._persist_once(1, exact=False) is None
+    assert time.monotonic() - t0 < 5
+    assert events == [] and persister.status()["last_error"] is None

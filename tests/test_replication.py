@@ -226,8 +226,8 @@ def test_rewritten_source_with_cached_mappings_sends_the_new_bytes(token, server
     maps.close()
 
 
-def _fake_agent(node: int, store, events: list, rate_bps=None):
-    """What ``ReplicaTier`` gets from an agent: 2 machines x 1 rank, a shared store."""
+def _fake_agent(node: int, store, events: list, rate_bps=None, nnodes: int = 2):
+    """What ``ReplicaTier`` gets from an agent: ``nnodes`` machines x 1 rank, a shared store."""
     from ckptrun.config import AgentConfig
     from ckptrun.tiers.interface import TierContext
     from ckptrun.tiers.memory.node import NodeMemory
@@ -237,7 +237,7 @@ def _fake_agent(node: int, store, events: list, rate_bps=None):
                       rdzv_endpoint=f"127.0.0.1:{store.port}", replication_rate=rate_bps,
                       replication_budget=None)
     return TierContext(
-        cfg=cfg, node=node, nnodes=2, store=store, memory=NodeMemory(token, num_slots=3),
+        cfg=cfg, node=node, nnodes=nnodes, store=store, memory=NodeMemory(token, num_slots=3),
         control=P.ControlBlock(P.control_path(token), 1, create=True), token=token,
         emit=lambda event, **f: events.append(dict(f, event=event)), address="127.0.0.1")
 
@@ -339,6 +339,58 @@ def test_rounds_always_take_the_newest_step_never_a_queue():
             assert len(steps) < last // 2, steps  # rounds skipped the stale steps
             assert any(b - a > 1 for a, b in zip(steps, steps[1:])), steps
         assert tiers[1].copies.latest(0)[0] == last and tiers[0].copies.latest(1)[0] == last
+    finally:
+        _close_tiers(tiers, agents)
+
+
+def test_copies_of_other_ranks_go_once_two_rounds_replaced_every_copy():
+    """A standby that took a place keeps its copies of every rank of the job (a second
+    machine may be lost before the new membership replicated anything); once this
+    membership's rounds have filled both copy files of every rank, they are dropped."""
+    from torch.distributed import TCPStore
+
+    from ckptrun.tiers.peer.tier import ReplicaTier
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), [])
+              for n in (0, 1)]
+    tiers = [ReplicaTier(a) for a in agents]
+    foreign = [tiers[0].copies.path(r, 0) for r in (5, 6)]  # what the standby was pushed
+    for r, path in zip((5, 6), foreign):
+        make_slot(path, 3, b"s" * 4096, rank=r)
+    try:
+        assert sorted(tiers[0].copies.holdings()) == [5, 6]
+        _write_lockstep(agents, range(1, 3), pause_s=0)
+        tiers[0]._replicate(2)
+        assert tiers[0].rounds == 1 and all(os.path.exists(p) for p in foreign)
+        _write_lockstep(agents, range(3, 5), pause_s=0)
+        tiers[0]._replicate(4)
+        assert tiers[0].rounds == 2 and not any(os.path.exists(p) for p in foreign)
+        assert sorted(tiers[0].copies.holdings()) == [0]
+        assert tiers[1].copies.latest(0)[0] == 4
+    finally:
+        _close_tiers(tiers, agents)
+
+
+def test_a_restore_asks_every_machine_when_the_holders_cannot_cover_its_ranks(token):
+    """3 machines, 2 copies: node 1's copies live on nodes 1 and 2.  Both were lost; the
+    only copy of rank 1 left is on node 0 (a standby that took node 2's place earlier kept
+    every rank's copies).  The newcomer at node 1 finds it there and fetches it."""
+    from torch.distributed import TCPStore
+
+    from ckptrun.tiers.peer.tier import ReplicaTier
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agents = [_fake_agent(n, TCPStore("127.0.0.1", master.port, is_master=False), [],
+                          nnodes=3) for n in (0, 1, 2)]
+    tiers = [ReplicaTier(a) for a in agents]
+    try:
+        assert tiers[1].holders == [2]
+        data = os.urandom(1 << 16)
+        make_slot(tiers[0].copies.path(1, 0), 9, data, rank=1)
+        assert tiers[1].offers([1], 1, None) == [9]
+        assert tiers[1].materialise([1], 1, 9) == "peer"
+        assert read_data(agents[1].memory.slot_paths(1)[0]) == data
     finally:
         _close_tiers(tiers, agents)
 

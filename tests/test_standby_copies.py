@@ -1,5 +1,6 @@
 """A standby's copies (``ckptrun.tiers.peer.standby_copies``): members find it through the
-rendezvous handler's store and push it their round copies; it keeps only the place it took."""
+rendezvous handler's store and push it their round copies; it keeps them all when it takes a
+place, until its new membership's rounds replaced them."""
 
 from __future__ import annotations
 
@@ -43,13 +44,17 @@ def test_members_push_their_round_to_the_standby_and_it_keeps_the_place_it_takes
         for rank, data in datas.items():
             assert read_data(holder.copies.copies(rank)[12]) == data
 
-        holder.keep_only([2, 3])  # it took node 1's place
-        kept = PeerStore(token + "-s")  # what its replica tier finds (same agent token)
-        assert sorted(kept.holdings()) == [2, 3]
+        holder.close()  # it took node 1's place
+        kept = PeerStore(token + "-s", pin_ranks=[2, 3])  # its replica tier (same token)
+        # every rank's copies stay: another machine may turn out lost too
+        assert sorted(kept.holdings()) == [0, 1, 2, 3]
         assert read_data(kept.copies(3)[12]) == datas[3]
         # gone from the store: members stop pushing to it
         targets = StandbyTargets(store, key, 0)
         assert targets.addresses() == []
+        # the replica tier drops the others once its rounds replaced every copy
+        assert kept.drop_others() == [0, 1]
+        assert sorted(PeerStore(token + "-s").holdings()) == [2, 3]
     finally:
         holder.server.stop()
 

@@ -150,6 +150,10 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
             ("detect_s", "detect"), ("stop_s", "stop"), ("start_s", "start"),
             ("restore_s", "restore"), ("first_step_s", "script")) if key in ph)
         return f"recovered in {_secs(e.get('downtime_s'))}: {parts}"
+    if kind == "progress_lost":
+        return (f"WARNING: no step can be restored for every rank -- this machine's ranks had "
+                f"reached step {e.get('step')}, and no memory, peer copy or durable checkpoint "
+                f"holds one step of all of them: the workers start over from step 0{attempt}")
     if kind == "persist_failed":
         return f"persisting step {e.get('step')} failed: {e.get('error')}"
     if kind == "replication_refused":

@@ -216,10 +216,8 @@ def wait_for_a_place(agent, join_round, local_address) -> Optional[int]:
                     if how == "member":
                         store.add(WAITING, -1)
                         counted = False
-                        if holder is not None:  # the copies of the ranks it takes stay
-                            nproc = cfg.nproc_per_node
-                            holder.keep_only([info.group_rank * nproc + lr
-                                              for lr in range(nproc)])
+                        if holder is not None:  # every copy stays (standby_copies.py)
+                            holder.close()
                             agent.standby_holder = holder = None
                         if not join_round(agent, info.group_rank, None, joined=info,
                                           takeover=True):

@@ -221,6 +221,15 @@ class Agent:
             self._retired_early = {w.pid for w in going}
         return unwind(candidates, self.control, target)
 
+    def _reached_step(self) -> int:
+        """The newest step this machine's ranks are known to have committed: in their slots,
+        or in their records of the attempt that just ended (0: none, e.g. a new machine)."""
+        steps = [s for r in self._ranks() for s in self.memory.steps(r)]
+        for lr in range(self.cfg.nproc_per_node):
+            with contextlib.suppress(IndexError, ValueError):
+                steps.append(int(self.control.get(lr, "committed_step")))
+        return max([0, *steps])
+
     def _ranks(self) -> List[int]:
         base = self.info.group_rank * self.cfg.nproc_per_node
         return [base + lr for lr in range(self.cfg.nproc_per_node)]
@@ -230,9 +239,13 @@ class Agent:
 
     def _start_group(self) -> None:
         cfg, info, attempt = self.cfg, self.info, self.epoch.attempt
-        self.restore = decide_restore(self.tiers, self._ranks(), self.coord, attempt,
-                                      self.coord.rollback_step(attempt))
+        reached = self._reached_step()
+        forced = self.coord.rollback_step(attempt)
+        self.restore = decide_restore(self.tiers, self._ranks(), self.coord, attempt, forced)
         self.restored_emitted = False
+        if reached and not self.restore.get("step") and forced is None:
+            # never a silent fresh start: hours of training may have just been lost
+            self.events.emit("progress_lost", step=reached, attempt=attempt)
         if attempt == 0 and self.restore.get("step"):  # the same command run again
             to_stderr(f"resuming from step {self.restore['step']} ({self.restore['tier']})")
         elif attempt == 0 and cfg.resume_from:  # asked for a checkpoint: never a fresh start

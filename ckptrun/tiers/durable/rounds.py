@@ -22,6 +22,7 @@ Nothing here ever blocks training: it runs in the persister's and the followers'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -45,6 +46,11 @@ NOT_SHARED = "--persist-to must be storage every machine shares"
 
 class JobEnded(Exception):
     """The round's step will never be committed: the workers finished first."""
+
+
+class RoundStopped(RuntimeError):
+    """The tier was stopped (the membership changed, the job is over) while a round waited
+    for a node: the round is abandoned, which is no failure of the step it was for."""
 
 
 class PersistRounds:
@@ -84,6 +90,10 @@ class PersistRounds:
             return step, self._read_step(step)
         except JobEnded:
             self.store.set(k + "done", "skip")  # not a failure: the final round follows
+            return None
+        except RoundStopped:  # the agent is re-forming the job: no step was due yet
+            with contextlib.suppress(Exception):  # the store may be what went away
+                self.store.set(k + "done", "skip")
             return None
         except Exception as e:
             self.store.set(k + "done", f"error: {type(e).__name__}: {e}")  # never leave a
@@ -229,7 +239,7 @@ class PersistRounds:
         """The value of ``key`` once some node set it.  Waits in short slices: a thread
         must never sit in a long store call when the agent exits."""
         if not wait_keys(self.store, [key], WAIT_S, stop=self._stop):
-            raise RuntimeError(f"stopped while waiting for {key}")
+            raise RoundStopped(f"stopped while waiting for {key}")
         return as_text(self.store.get(key))
 
 

@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
 
@@ -218,14 +219,18 @@ class PeerStore:
     def holdings(self) -> Dict[int, int]:
         """{rank: newest committed step} of every rank this agent holds a copy of."""
         out: Dict[int, int] = {}
-        prefix = f"{P.SHM_PREFIX}{self.job_token}-peer-r"
-        for name in os.listdir(P.SHM_DIR):
-            if name.startswith(prefix):
-                rank = int(name[len(prefix):].split("-")[0])
-                got = self.latest(rank)
-                if got:
-                    out[rank] = got[0]
+        for rank in self._file_ranks():
+            got = self.latest(rank)
+            if got:
+                out[rank] = got[0]
         return out
+
+    def _file_ranks(self) -> List[int]:
+        """The ranks with a copy file here, committed or not."""
+        prefix = f"{P.SHM_PREFIX}{self.job_token}-peer-r"
+        ranks = {name[len(prefix):].split("-")[0] for name in os.listdir(P.SHM_DIR)
+                 if name.startswith(prefix)}
+        return sorted(int(r) for r in ranks if r.isdigit())  # another user's file: not ours
 
     def pinned_step(self) -> Optional[int]:
         """The newest step held (committed) for every rank of ``pin_ranks``, if any."""
@@ -234,6 +239,20 @@ class PeerStore:
             steps = set(self.copies(r))
             common = steps if common is None else common & steps
         return max(common) if common else None
+
+    def drop_others(self) -> List[int]:
+        """Delete the copies of every rank but ``pin_ranks`` (a standby's copies of the whole
+        job, an earlier membership's sources); the ranks dropped.  Only once this
+        membership's rounds replaced every copy a restore could use: a step older than
+        those is no longer anywhere for this node's own ranks, so nobody can agree on it."""
+        keep, dropped = set(self.pin_ranks), []
+        for r in sorted(set(self._file_ranks()) - keep):
+            for k in (0, 1):
+                self.maps.forget(self.path(r, k))
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path(r, k))
+            dropped.append(r)
+        return dropped
 
     def incoming_path(self, rank: int) -> Optional[str]:
         """The slot to receive into; None if a transfer of ``rank`` is in flight.

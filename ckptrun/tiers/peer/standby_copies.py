@@ -5,7 +5,10 @@ ranks from its own memory instead of pulling them over the network.
 * :class:`StandbyHolder` -- the standby's side: a :class:`ReplicaServer` that accepts copies
   of any rank of the job into a :class:`PeerStore` named after the standby's agent token.
   The files stay when it stops: once the standby is a member, its replica tier (same token)
-  finds the lost ranks' copies among its own (``restored`` with ``tier: memory``).
+  finds the lost ranks' copies among its own (``restored`` with ``tier: memory``).  The
+  copies of the other ranks stay too, until the new membership's rounds have replaced every
+  copy in the job (``PeerStore.drop_others``): a second machine lost before then -- even one
+  lost at the same moment, seen a little later -- is restored from them.
 * :class:`StandbyTargets` -- a member's side: after a round's pushes to its placement peers,
   the same copies go to every standby, best-effort (a standby that just left is no failure
   of the round; the round's pacing counts the extra time, so training still pays at most the
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -54,17 +56,6 @@ class StandbyHolder:
     def held_step(self) -> Optional[int]:
         """The newest step held for every rank of the job (for status and tests)."""
         return self.copies.pinned_step()
-
-    def keep_only(self, ranks: List[int]) -> None:
-        """Stop receiving, and drop the copies of every rank but ``ranks`` (the place this
-        standby took: the others' copies would only take memory)."""
-        self.close()
-        keep = set(ranks)
-        for r in range(self.world):
-            if r not in keep:
-                for k in (0, 1):
-                    with contextlib.suppress(OSError):
-                        os.unlink(self.copies.path(r, k))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

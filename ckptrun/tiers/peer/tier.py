@@ -291,6 +291,12 @@ class ReplicaTier(Tier):
         self.replicated_step = step
         now = time.monotonic()
         self.rounds += 1
+        if self.rounds == COLD_ROUNDS:
+            # both copy files of every rank now hold this membership's rounds: a standby's
+            # copies of the whole job, an earlier membership's sources are of no restore
+            dropped = self.copies.drop_others()
+            if dropped:
+                log.info("dropped the copies of ranks %s (not this membership's)", dropped)
         self.replicated_bytes += sum(sent.values())
         self.round_s = round(now - t0, 4)
         newest = self._newest_local()
@@ -310,13 +316,30 @@ class ReplicaTier(Tier):
     def _sources(self, ranks: List[int]) -> Dict[int, Dict[int, List[Tuple[str, object]]]]:
         """{rank: {step: [(kind, where), ...]}} in order of preference: this node's worker
         slots, its own copies, then the copies its holders keep."""
-        out: Dict[int, Dict[int, List[Tuple[str, object]]]] = {r: {} for r in ranks}
+        remote = self._inventories(self.holders)
+        out = self._collect(ranks, remote)
+        if out and not set.intersection(*(set(s) for s in out.values())):
+            # the holders cannot give every rank one step: a machine that joined as a
+            # standby may still hold the copies it was pushed of every rank of the job
+            others = [n for n in range(self.n) if n != self.node and n not in remote]
+            if others:
+                remote.update(self._inventories(others))
+                out = self._collect(ranks, remote)
+        return out
+
+    def _inventories(self, nodes: List[int]) -> Dict[int, Dict[int, List[int]]]:
+        """{node: {rank: [steps]}} of the copies each reachable node of ``nodes`` keeps."""
         remote: Dict[int, Dict[int, List[int]]] = {}
-        for h in self.holders:
+        for h in nodes:
             try:
                 remote[h] = inventory(self._addr(h), self.secret, f"node{self.node}")
             except (OSError, ConnectionError, KeyError, ValueError) as e:
-                log.info("holder node %d unreachable: %s", h, e)
+                log.info("node %d's copies cannot be listed: %s", h, e)
+        return remote
+
+    def _collect(self, ranks: List[int], remote: Dict[int, Dict[int, List[int]]]
+                 ) -> Dict[int, Dict[int, List[Tuple[str, object]]]]:
+        out: Dict[int, Dict[int, List[Tuple[str, object]]]] = {r: {} for r in ranks}
         for r in ranks:
             for s in self.memory.steps(r):
                 out[r].setdefault(s, []).append(("slot", None))
