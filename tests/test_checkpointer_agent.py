@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -90,6 +91,54 @@ def test_choice_rule_unit():
     assert s2.choose(pin=0) == 1
     with pytest.raises(ValueError):
         slotset.SlotSet(None, 2, keep=2)
+
+
+def test_the_first_save_allocates_the_other_slots_off_the_loop(node, monkeypatch):
+    """The first save allocates its slot and starts a thread that allocates the others at
+    the same size; the second save waits for its slot only (not for the third), and once
+    the thread is done no later save allocates anything."""
+    import threading
+
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    calls, gate = [], threading.Event()
+    real = slotset.SlotSet._allocate
+
+    def allocate(self, k, size):
+        calls.append((k, threading.current_thread().name))
+        if k == 2:
+            gate.wait(10)  # the third slot takes long: the second save must not wait for it
+        real(self, k, size)
+
+    monkeypatch.setattr(slotset.SlotSet, "_allocate", allocate)
+    ck = ckptrun.Checkpointer({"w": torch.zeros(1 << 18)})
+    assert ck.save(1) and ck.save(2)
+    ck.wait()
+    deadline = time.monotonic() + 10
+    while len(calls) < 3 and time.monotonic() < deadline:  # the thread reaches slot 2
+        time.sleep(0.01)
+    assert calls[0] == (0, "MainThread")
+    assert (1, "ckptrun-slot-alloc") in calls and len(calls) == 3, calls
+    sizes = {os.path.getsize(p) for p in mem.slot_paths(0)}
+    assert len(mem.slot_paths(0)) >= 2 and len(sizes) == 1  # slot 2 may still be on its way
+    gate.set()
+    assert ck.save(3)
+    ck.wait()
+    assert calls[2] == (2, "ckptrun-slot-alloc") and len(calls) == 3, calls
+    assert len(mem.slot_paths(0)) == 3
+    assert sorted(mem.steps(0)) == [1, 2, 3]
+    ck.close()
+
+
+def test_slots_ahead_can_be_turned_off(node, monkeypatch):
+    token, mem, block = node
+    set_env(monkeypatch, agent_env(token, mem, 0))
+    monkeypatch.setenv("CKPTRUN_SLOTS_AHEAD", "0")
+    ck = ckptrun.Checkpointer({"w": torch.zeros(1 << 18)})
+    assert ck.save(1)
+    ck.wait()
+    assert len(mem.slot_paths(0)) == 1
+    ck.close()
 
 
 def test_shm_too_small_is_one_clear_fatal_line(node, monkeypatch):

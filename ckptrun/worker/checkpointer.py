@@ -304,6 +304,7 @@ class Checkpointer:
             handle.remove()
         self._hooked.clear()
         self._copier.stop()
+        self._slots.stop_allocating()
         self._closed = True
         _live.discard(self)
 
