@@ -54,7 +54,8 @@ def test_events_and_status_become_metrics():
                 {"event": "restart", "attempt": 2},
                 {"event": "restart", "attempt": 3},  # another machine's failure
                 {"event": "persisted", "step": 10, "bytes": 1000, "seconds": 0.5},
-                {"event": "persist_failed", "step": 20, "error": "no"}):
+                {"event": "persist_failed", "step": 20, "error": "no"},
+                {"event": "progress_lost", "step": 23, "attempt": 4}):
         m.event(rec)
     m.status({"run_id": "r", "node": 0, "state": "running", "attempt": 3,
               "workers": [{"rank": 0, "step": 21, "saves": 14, "save_block_s": 0.001,
@@ -81,6 +82,7 @@ def test_events_and_status_become_metrics():
         ("ckptrun_checkpoint_step", {"tier": "peer"}, 20),
         ("ckptrun_persisted_bytes_total", {}, 1000),
         ("ckptrun_persist_failures_total", {}, 1),
+        ("ckptrun_steps_lost_total", {}, 23),
         ("ckptrun_replicated_bytes_total", {}, 36864),
         ("ckptrun_replication_lag_steps", {}, 1),
     ]

@@ -53,6 +53,7 @@ class AgentMetrics:
         self._persist_failures = 0
         self._machines_lost = 0
         self._store_forged = 0
+        self._steps_lost = 0  # steps of training given up by restarts from step 0
 
     # -- feeding ------------------------------------------------------------------------
     def event(self, record: Dict[str, Any]) -> None:
@@ -91,6 +92,8 @@ class AgentMetrics:
                 self._persist_failures += 1
             elif name == "store_forged":
                 self._store_forged += 1
+            elif name == "progress_lost":
+                self._steps_lost += int(_num(record.get("step")))
 
     def status(self, status: Dict[str, Any]) -> None:
         """The agent's newest ``status.json`` object."""
@@ -112,7 +115,8 @@ class AgentMetrics:
             restores = {k: list(v) for k, v in self._restores.items()}
             downtimes, phases = list(self._downtimes), dict(self._phases)
             persists, started = list(self._persists), self._started
-            counts = (self._persist_failures, self._machines_lost, self._store_forged)
+            counts = (self._persist_failures, self._machines_lost, self._store_forged,
+                      self._steps_lost)
 
         info = GaugeMetricFamily("ckptrun_info", "The job this agent runs (value 1).",
                                  labels=["run_id", "node", "state"])
@@ -206,6 +210,9 @@ class AgentMetrics:
                 yield kind(name, text, value=ck[key])
         yield CounterMetricFamily("ckptrun_store_forged", "Rendezvous-store values refused "
                                   "for a wrong MAC (someone else wrote them).", value=counts[2])
+        yield CounterMetricFamily("ckptrun_steps_lost", "Steps this machine's ranks had reached "
+                                  "when a restart found nothing to restore and started them "
+                                  "over from step 0.", value=counts[3])
 
         if started is not None:
             elapsed = max(0.0, time.time() - started)
