@@ -23,7 +23,31 @@ import train  # noqa: E402  (examples/train.py)
 from ckptrun.protocol import ENV_SLOT_PREFIX, SlotHeader, SlotState, open_shm_file  # noqa: E402
 
 
-def corrupt_own_slots(machine: bool = False) -> int:
+def _await_commit(step: int, timeout_s: float = 10.0) -> None:
+    """Until this rank's save of ``step`` is committed: its copy runs in the background, and
+    a slot committed after the corruption would be a good copy the test did not intend."""
+    prefix, deadline = os.environ[ENV_SLOT_PREFIX], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in glob.glob(prefix + "*"):
+            h = _header(path)
+            if h is not None and h.state == SlotState.COMMITTED and h.step >= step:
+                return
+        time.sleep(0.005)
+
+
+def _header(path: str):
+    try:
+        mm = open_shm_file(path, write=False)
+    except (OSError, ValueError):  # gone, or still being created (sized 0)
+        return None
+    try:
+        return SlotHeader.unpack_from(mm)
+    finally:
+        mm.close()
+
+
+def corrupt_own_slots(step: int, machine: bool = False) -> int:
+    _await_commit(step)
     n = 0
     prefix = os.environ[ENV_SLOT_PREFIX]
     if machine:  # /dev/shm/ckptrun-<token>-r<rank>-s -> every file of the agent's token
@@ -31,7 +55,10 @@ def corrupt_own_slots(machine: bool = False) -> int:
     for path in glob.glob(prefix + "*"):
         if path.endswith("-control"):
             continue
-        mm = open_shm_file(path)
+        try:
+            mm = open_shm_file(path)
+        except ValueError:  # a slot still being created (sized 0): holds nothing
+            continue
         h = SlotHeader.unpack_from(mm)
         if h.state == SlotState.COMMITTED and h.data_len:
             pos = h.data_offset + h.data_len // 2
@@ -58,10 +85,10 @@ def main() -> None:
         if not first_attempt or rank != args.crash_rank:
             return
         if step == extra["--corrupt-at"]:
-            print(f"[test] rank {rank}: corrupted {corrupt_own_slots()} slots", flush=True)
+            print(f"[test] rank {rank}: corrupted {corrupt_own_slots(step)} slots", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == extra["--wipe-at"]:
-            print(f"[test] rank {rank}: wiped {corrupt_own_slots(True)} snapshots", flush=True)
+            print(f"[test] rank {rank}: wiped {corrupt_own_slots(step, True)} snapshots", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == extra["--kill-agent-at"]:
             os.kill(os.getppid(), signal.SIGKILL)
