@@ -56,15 +56,21 @@ COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
 # (state MiB, padded step s, --replication-budget, who takes the place): "" a replacement
 # started after the loss; "standby" a --standby machine holding every round's copies;
 # "standby-pull" one holding none (CKPTRUN_STANDBY_COPIES=0) that pulls the lost rank's
-# copy from the survivor at the takeover -- rounds as cheap as without a standby
+# copy from the survivor at the takeover -- rounds as cheap as without a standby;
+# "...inplace" the same with the job under @ckptrun.resilient: the survivor is not restarted
 QUICK_CASES = [(64, 0.15, "5%", ""), (64, 0.15, "5%", "standby")]
-FULL_CASES = [(64, 0.15, "5%", ""), (64, 0.15, "5%", "standby"), (256, 0.5, "5%", ""),
+FULL_CASES = [(64, 0.15, "5%", ""), (64, 0.15, "5%", "standby"),
+              (64, 0.15, "5%", "standby-inplace"), (256, 0.5, "5%", ""),
               (256, 0.5, "5%", "standby"), (256, 0.5, "5%", "standby-pull"),
+              (256, 0.5, "5%", "standby-inplace"), (256, 0.5, "5%", "inplace"),
               (64, 0.0, "5%", ""), (64, 0.0, "off", "")]
-STANDBY_KINDS = ("", "standby", "standby-pull")
+STANDBY_KINDS = ("", "standby", "standby-pull", "inplace", "standby-inplace")
+_RESILIENT = ", @ckptrun.resilient (the survivor recovers in its process)"
 STANDBY_LABELS = {"": "", "standby": ", a --standby machine takes the place",
                   "standby-pull": ", a --standby machine without copies "
-                                  "(CKPTRUN_STANDBY_COPIES=0) takes the place"}
+                                  "(CKPTRUN_STANDBY_COPIES=0) takes the place",
+                  "inplace": _RESILIENT,
+                  "standby-inplace": ", a --standby machine takes the place" + _RESILIENT}
 
 
 def _cases(ctx: Context) -> List[Tuple[int, float, str, str]]:
@@ -110,7 +116,8 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
     """One machine loss; a sample dict (``error`` says why there is none)."""
     work = tempfile.mkdtemp(prefix="machine-", dir=root)
     job = ["--ckpt", "ckptrun", "--state-mb", str(mb), "--steps", "1000000",
-           "--step-time", str(step_s)]
+           "--step-time", str(step_s), *(["--in-place"] if "inplace" in standby else [])]
+    has_standby = standby.startswith("standby")
     env = {"CKPTRUN_SPARE_DELAY": "0"}
     machines: List[Machine] = []
     try:
@@ -121,11 +128,11 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
                              private_shm, names=["survivor", "lost"], standby_env={
                                  "CKPTRUN_STANDBY_COPIES":
                                      "0" if standby == "standby-pull" else "1"}
-                             if standby else None)
+                             if has_standby else None)
         if len(machines) < 2:
             return {"error": f"the store host did not start: {machines[0].tail(400)}"}
         survivor, lost = machines[:2]
-        spare = machines[2] if standby else None
+        spare = machines[2] if has_standby else None
         since, deadline = None, time.monotonic() + 240.0
         rounds: List[float] = []
         while not _ready([survivor, lost], since, min_train_s, max_wait_s, spare):
@@ -162,6 +169,9 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
             lost_evs = [e for e in evs if e["event"] == "node_lost"]
             if lost_evs and m is survivor:
                 sample["detect_s"] = float(lost_evs[0]["time"]) - t_fail
+            if m is survivor:  # the ranks that went on in their own processes
+                sample["in_place"] = next((e.get("in_place", []) for e in reversed(evs)
+                                           if e["event"] == "restart"), [])
         sample.update(tiers=tiers, lost_node=lost_node, lag_steps=(
             newest - held if held is not None else None), round_s=(
             statistics.median(rounds) if rounds else None), bytes=mb << 20,
@@ -233,6 +243,9 @@ def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
         from_peer = all(dict(s["tiers"]).get(s.get("lost_node")) == "peer"  # type: ignore[call-overload]
                         for s in good)
         row["met"] = "yes" if from_peer and statistics.median(lost) == 0 else "no"
+    if "inplace" in standby and good:
+        kept = sum(1 for s in good if s.get("in_place"))
+        notes.append(f"the survivor recovered in its own process in {kept} of {len(good)} runs")
     notes.append("each machine in its own mount namespace with a private /dev/shm; the lost "
                  "one powered off (SIGKILL to all its processes)" if private_shm else
                  "machines share the host's /dev/shm (no root/unshare here); the lost one's "

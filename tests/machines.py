@@ -55,13 +55,14 @@ def free_port() -> int:
 
 
 def machine(tmp_path, name: str, agent_args, out: str, step_time: str = STEP_TIME,
-            env=None) -> subprocess.Popen:
-    """One machine: an agent in its own mount namespace with its own /dev/shm."""
+            env=None, script_args=()) -> subprocess.Popen:
+    """One machine: an agent in its own mount namespace with its own /dev/shm
+    (``script_args``: more arguments of the training script, e.g. ``--in-place``)."""
     run_dir = str(tmp_path / name)
     cmd = [UNSHARE, "-m", "--propagation", "private", "sh", "-c",
            'mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && exec "$@"', name,
            sys.executable, "-m", "ckptrun.cli", *agent_args, "--run-dir", run_dir, SCRIPT,
-           "--steps", str(STEPS), "--step-time", step_time, "--out", out]
+           "--steps", str(STEPS), "--step-time", step_time, "--out", out, *script_args]
     log = open(tmp_path / f"{name}.log", "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                          env=None if env is None else {**os.environ, **env})

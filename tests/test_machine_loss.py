@@ -60,7 +60,8 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      victim_step: int = 10, persisted: bool = False,
                      replicated: bool = False, measured: bool = False,
                      standbys: int = 0, standby_copies: bool = True,
-                     stagger_s: float = 0.0, last_first: bool = False) -> Loss:
+                     stagger_s: float = 0.0, last_first: bool = False,
+                     script_args=()) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
     after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
     -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
@@ -70,20 +71,23 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     ``measured``: for every agent's pacer to have measured what a round costs (until then
     rounds run only every 2-3 steps, see docs/multinode.md, and the lag is not the job's);
     ``stagger_s``: the victims die that far apart (the survivors see them lost one by one);
-    ``last_first``: in the reverse order (the last machine first)."""
+    ``last_first``: in the reverse order (the last machine first); ``script_args``: more
+    arguments of every machine's training script."""
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
     common = ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
               "--max-restarts", "3", *extra_args]
     out = str(tmp_path / "final.pt")
     names = "abcdefgh"[:nnodes]
-    procs = [machine(tmp_path, names[0], common, out)]
+    procs = [machine(tmp_path, names[0], common, out, script_args=script_args)]
     newcomers: list = []
     try:
         wait_until(lambda: listening(port), 60, "the store host", procs)  # a hosts the store
-        procs += [machine(tmp_path, n, common, out) for n in names[1:]]
+        procs += [machine(tmp_path, n, common, out, script_args=script_args)
+                  for n in names[1:]]
         survivors, lost = procs[:-victims], procs[-victims:]
-        spares = [machine(tmp_path, n, common + ["--standby"], out) for n in "st"[:standbys]]
+        spares = [machine(tmp_path, n, common + ["--standby"], out, script_args=script_args)
+                  for n in "st"[:standbys]]
 
         def ready() -> bool:
             return all(any(w.get("step", 0) >= victim_step
@@ -116,7 +120,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
             os.kill(v.pid, signal.SIGKILL)
         for v in lost:
             v.wait(timeout=30)
-        newcomers = spares + [machine(tmp_path, n, common, out)
+        newcomers = spares + [machine(tmp_path, n, common, out, script_args=script_args)
                               for n in "xyz"[:max(0, victims - len(spares))]]
         host = survivors[0]
 
@@ -275,6 +279,41 @@ def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
     # round only every 1-2 s -- 15 steps of 0.1 s once in CI
     assert ra["step"] >= loss.replicated_before, (ra, loss.replicated_before)
     assert 0 <= lost[0]["step"] - ra["step"] <= 30
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
+
+
+def _pids(log: str) -> dict:
+    """{attempt: pid} of the rank that ran in a machine's log (examples/train.py's line)."""
+    import re
+
+    return {int(a): int(p) for a, p in re.findall(r"\[demo\] rank \d+: attempt (\d+) in pid (\d+)",
+                                                    log)}
+
+
+@pytest.mark.parametrize("standbys", [1, 0], ids=["standby", "replacement"])
+def test_resilient_survivors_of_a_machine_loss_stay_in_their_processes(
+        tmp_path, references, standbys):
+    """``@ckptrun.resilient`` (``--in-place``) and a lost machine: the survivor's rank is not
+    restarted -- its collective with the lost machine breaks, it unwinds and joins the new
+    membership in its own process (interpreter, imports and model objects kept), while the
+    lost ranks start on a standby that takes their place at once, or on a replacement
+    machine that joins a round of torch's rendezvous.  Bitwise exact at the end."""
+    loss = lose_and_replace(tmp_path, ["--replicas", "2"], standbys=standbys,
+                            script_args=["--in-place"])
+    (a,), (b,) = loss.survivors, loss.newcomers
+    restart = recovery(a.run_dir, "restart")
+    assert restart["in_place"] == [0] and restart["restarts"] == 1, restart
+    assert ("standby_took" in restart) == bool(standbys), restart
+    a_log = (tmp_path / "a.log").read_text()
+    pids = _pids(a_log)
+    assert sorted(pids) == [0, 1] and pids[0] == pids[1], (pids, a_log[-3000:])
+    assert "rank 0: recovering in place into attempt 1" in a_log, a_log[-3000:]
+    assert sorted(_pids((tmp_path / f"{'s' if standbys else 'x'}.log").read_text())) == [1]
+    ra, rb = recovery(a.run_dir), recovery(b.run_dir)
+    assert ra["tier"] == "memory" and ra["step"] == rb["step"], (ra, rb)
+    assert ra["step"] >= loss.replicated_before, (ra, loss.replicated_before)
+    report(f"machine loss, in place, {'standby' if standbys else 'replacement'}", loss,
+           ra["step"])
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
 
 

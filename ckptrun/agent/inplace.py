@@ -37,11 +37,23 @@ def unwind(candidates: List[Worker], control: ControlBlock, target: int,
            timeout_s: float = UNWIND_TIMEOUT_S) -> Dict[int, Worker]:
     """Ask ``candidates`` to unwind for attempt ``target``; {local rank: worker} of those
     that did in time (alive, their last snapshot copy finished)."""
+    ask(candidates, control, target)
+    return await_unwound(candidates, control, target, time.monotonic() + timeout_s)
+
+
+def ask(candidates: List[Worker], control: ControlBlock, target: int) -> None:
+    """Ask ``candidates`` to unwind for attempt ``target`` (without waiting: a machine loss
+    asks first and waits once the new membership is formed)."""
     for w in candidates:
         control.set(w.local_rank, "recover", target)
+
+
+def await_unwound(candidates: List[Worker], control: ControlBlock, target: int,
+                  deadline: float) -> Dict[int, Worker]:
+    """{local rank: worker} of the asked ``candidates`` that unwound by ``deadline``
+    (monotonic)."""
     waiting = {w.local_rank: w for w in candidates}
     done: Dict[int, Worker] = {}
-    deadline = time.monotonic() + timeout_s
     while waiting and time.monotonic() < deadline:
         for lr, w in list(waiting.items()):
             if w.status() is not None:

@@ -244,7 +244,9 @@ def join_round(agent, old_rank: Optional[int] = None, epoch: Optional[Epoch] = N
 
 def replace_nodes(agent, lost: NodeLost) -> bool:
     """Machines are gone: count one restart job-wide, then meet the survivors and the
-    replacements in a new rendezvous round.  False when the job cannot go on."""
+    replacements in a new rendezvous round.  The workers the agent kept (``agent.kept``,
+    in-process recovery) go on only where this machine's ranks stay what they were.  False
+    when the job cannot go on."""
     attempt = agent.epoch.attempt
     # how far this node's workers got: steps lost = this minus the step restored next
     steps = [agent.control.record(w.local_rank)["step"] for w in agent.workers]
@@ -266,14 +268,21 @@ def replace_nodes(agent, lost: NodeLost) -> bool:
     for tier in agent.tiers:
         tier.close()
     if agent.epoch.state != RUN:
+        agent.drop_kept()
         return True  # the loop ends the job (budget spent)
+    before = (agent.info.group_rank, agent.info.group_world_size)
     if not join_round(agent, agent.info.group_rank, agent.epoch, joined=taken,
                       takeover=taken is not None):
         return False
+    if (agent.info.group_rank, agent.info.group_world_size) != before:
+        agent.drop_kept()  # its workers' ranks changed: they start again as new processes
+    agent.settle_kept()
     took = taken is not None and agent.info.membership == taken.membership  # not re-formed
+    kept = sorted(w.global_rank for w in agent.kept.values())
     agent.events.emit("restart", attempt=agent.epoch.attempt, restarts=agent.epoch.restarts,
                       nnodes=agent.info.group_world_size, node=agent.info.group_rank,
-                      **({"standby_took": sorted(lost.nodes)} if took else {}))
+                      **({"standby_took": sorted(lost.nodes)} if took else {}),
+                      **({"in_place": kept} if kept else {}))
     return True
 
 

@@ -30,7 +30,14 @@ from ckptrun.agent.downtime import RecoveryClock
 from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
 from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
-from ckptrun.agent.inplace import hand_over, hot_spare_ready, keepable, unwind
+from ckptrun.agent.inplace import (
+    UNWIND_TIMEOUT_S,
+    ask,
+    await_unwound,
+    hand_over,
+    hot_spare_ready,
+    keepable,
+)
 from ckptrun.agent.membership import NodeLost, join_round, local_address, replace_nodes
 from ckptrun.agent.metrics import AgentMetrics, MetricsServer
 from ckptrun.agent.reaper import Reaper, unlink_shm
@@ -108,6 +115,9 @@ class Agent:
         self.metrics: Optional[AgentMetrics] = None
         self.metrics_server: Optional[MetricsServer] = None
         self.kept: Dict[int, Worker] = {}  # local rank -> worker recovering in place
+        # after a machine loss: the attempt the kept workers were asked to unwind for, and
+        # until when they may take to do it (``settle_kept``)
+        self._kept_target, self._kept_deadline = 0, 0.0
         self._retired_early: set = set()  # pids retired before the survivors unwound
         self._hung: List[int] = []  # local ranks the last hang verdict named
 
@@ -185,12 +195,22 @@ class Agent:
                 self.clock.failed(at=time.monotonic() - lost.silent_s)
             restart = isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN
             self.kept = {}
-            if restart and isinstance(outcome, Epoch):  # a new machine: every rank starts
+            if restart and isinstance(outcome, Epoch):
                 self.kept = self._unwind_survivors(outcome.attempt)
+            elif isinstance(outcome, NodeLost):
+                # a machine lost: where this machine's ranks stay what they are, its resilient
+                # workers go on in their own processes with the new members.  They are asked
+                # now and awaited once the membership is formed (``settle_kept``): the
+                # standby's takeover does not wait for a survivor to reach a collective.
+                # The next attempt is at least this one; an unwound worker takes a later go.
+                self._kept_target = self.epoch.attempt + 1
+                self._kept_deadline = time.monotonic() + UNWIND_TIMEOUT_S
+                self.kept = {w.local_rank: w for w in self._ask_survivors(self._kept_target)}
             self._stop_group(restart)
             self.clock.stopped()
             if isinstance(outcome, NodeLost):
                 if not replace_nodes(self, outcome):
+                    self.drop_kept()
                     return 1
                 continue
             if outcome == "done":
@@ -207,10 +227,17 @@ class Agent:
     def _unwind_survivors(self, target: int) -> Dict[int, Worker]:
         """In-process recovery: the live ``@ckptrun.resilient`` workers that unwound for
         attempt ``target`` (``ckptrun.agent.inplace``); the rest are restarted."""
+        candidates = self._ask_survivors(target)
+        return await_unwound(candidates, self.control, target,
+                             time.monotonic() + UNWIND_TIMEOUT_S)
+
+    def _ask_survivors(self, target: int) -> List[Worker]:
+        """The live ``@ckptrun.resilient`` workers, asked to unwind for attempt ``target``;
+        the others are retired first."""
         hung, self._hung = self._hung, []
         candidates = keepable(self.workers, self.control, self.epoch.attempt, hung)
         if not candidates:
-            return {}
+            return []
         # the others (dead, hung, not resilient) go first: a survivor's collective with a
         # stopped rank -- one a stack dump's SIGCONT woke -- then fails at once, and its
         # group's teardown does not wait for that rank
@@ -219,7 +246,30 @@ class Agent:
             self._await_copies()
             self.launcher.retire(going)
             self._retired_early = {w.pid for w in going}
-        return unwind(candidates, self.control, target)
+        ask(candidates, self.control, target)
+        return candidates
+
+    def settle_kept(self) -> None:
+        """After a machine loss: keep the asked workers that unwound (by the deadline set
+        when they were asked); retire the others."""
+        if not self.kept:
+            return
+        asked = list(self.kept.values())
+        self.kept = await_unwound(asked, self.control, self._kept_target, self._kept_deadline)
+        late = [w for w in asked if w.local_rank not in self.kept]
+        if late:
+            self.launcher.retire(late)
+            for w in late:
+                self.reaper.forget(w.pid)
+
+    def drop_kept(self) -> None:
+        """The kept workers cannot go on after all (the job ends, or a new membership gave
+        this machine other ranks): retire them as a restart does."""
+        kept, self.kept = list(self.kept.values()), {}
+        if kept:
+            self.launcher.retire(kept)
+            for w in kept:
+                self.reaper.forget(w.pid)
 
     def _reached_step(self) -> int:
         """The newest step this machine's ranks are known to have committed: in their slots,
