@@ -61,7 +61,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      replicated: bool = False, measured: bool = False,
                      standbys: int = 0, standby_copies: bool = True,
                      stagger_s: float = 0.0, last_first: bool = False,
-                     script_args=()) -> Loss:
+                     script_args=(), nproc: int = 1) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
     after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
     -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
@@ -72,9 +72,9 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     rounds run only every 2-3 steps, see docs/multinode.md, and the lag is not the job's);
     ``stagger_s``: the victims die that far apart (the survivors see them lost one by one);
     ``last_first``: in the reverse order (the last machine first); ``script_args``: more
-    arguments of every machine's training script."""
+    arguments of every machine's training script; ``nproc``: ranks per machine."""
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
-    common = ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
               "--max-restarts", "3", *extra_args]
     out = str(tmp_path / "final.pt")
@@ -283,38 +283,46 @@ def test_a_standby_machine_takes_the_lost_machines_place(tmp_path, references):
 
 
 def _pids(log: str) -> dict:
-    """{attempt: pid} of the rank that ran in a machine's log (examples/train.py's line)."""
+    """{rank: {attempt: pid}} of the ranks that ran in a machine's log (examples/train.py's
+    start line)."""
     import re
 
-    return {int(a): int(p) for a, p in re.findall(r"\[demo\] rank \d+: attempt (\d+) in pid (\d+)",
-                                                    log)}
+    got: dict = {}
+    for r, a, p in re.findall(r"\[demo\] rank (\d+): attempt (\d+) in pid (\d+)", log):
+        got.setdefault(int(r), {})[int(a)] = int(p)
+    return got
 
 
-@pytest.mark.parametrize("standbys", [1, 0], ids=["standby", "replacement"])
+@pytest.mark.parametrize("standbys,nproc", [(1, 2), (0, 1)],
+                         ids=["standby-2x2-ranks", "replacement-2x1-ranks"])
 def test_resilient_survivors_of_a_machine_loss_stay_in_their_processes(
-        tmp_path, references, standbys):
-    """``@ckptrun.resilient`` (``--in-place``) and a lost machine: the survivor's rank is not
-    restarted -- its collective with the lost machine breaks, it unwinds and joins the new
-    membership in its own process (interpreter, imports and model objects kept), while the
-    lost ranks start on a standby that takes their place at once, or on a replacement
-    machine that joins a round of torch's rendezvous.  Bitwise exact at the end."""
+        tmp_path, references, standbys, nproc):
+    """``@ckptrun.resilient`` (``--in-place``) and a lost machine: the survivor's ranks are
+    not restarted -- a collective with the lost machine breaks (one with the live rank beside
+    it is broken by ckptrun), they unwind and join the new membership in their own processes
+    (interpreter, imports and model objects kept), while the lost ranks start on a standby
+    that takes their place at once, or on a replacement machine that joins a round of
+    torch's rendezvous.  Bitwise exact at the end."""
     loss = lose_and_replace(tmp_path, ["--replicas", "2"], standbys=standbys,
-                            script_args=["--in-place"])
+                            script_args=["--in-place"], nproc=nproc)
     (a,), (b,) = loss.survivors, loss.newcomers
+    mine = list(range(nproc))
     restart = recovery(a.run_dir, "restart")
-    assert restart["in_place"] == [0] and restart["restarts"] == 1, restart
+    assert restart["in_place"] == mine and restart["restarts"] == 1, restart
     assert ("standby_took" in restart) == bool(standbys), restart
     a_log = (tmp_path / "a.log").read_text()
     pids = _pids(a_log)
-    assert sorted(pids) == [0, 1] and pids[0] == pids[1], (pids, a_log[-3000:])
-    assert "rank 0: recovering in place into attempt 1" in a_log, a_log[-3000:]
-    assert sorted(_pids((tmp_path / f"{'s' if standbys else 'x'}.log").read_text())) == [1]
+    for r in mine:
+        assert sorted(pids[r]) == [0, 1] and pids[r][0] == pids[r][1], (pids, a_log[-3000:])
+        assert f"rank {r}: recovering in place into attempt 1" in a_log, a_log[-3000:]
+    b_pids = _pids((tmp_path / f"{'s' if standbys else 'x'}.log").read_text())
+    assert {r: sorted(p) for r, p in b_pids.items()} == {nproc + r: [1] for r in mine}, b_pids
     ra, rb = recovery(a.run_dir), recovery(b.run_dir)
     assert ra["tier"] == "memory" and ra["step"] == rb["step"], (ra, rb)
     assert ra["step"] >= loss.replicated_before, (ra, loss.replicated_before)
     report(f"machine loss, in place, {'standby' if standbys else 'replacement'}", loss,
            ra["step"])
-    assert_bitwise_equal(str(tmp_path / "final.pt"), references(2))
+    assert_bitwise_equal(str(tmp_path / "final.pt"), references(2 * nproc))
 
 
 @pytest.mark.parametrize("stagger_s", [0.0, 0.3], ids=["together", "one-by-one"])
