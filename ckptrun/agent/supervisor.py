@@ -243,7 +243,7 @@ class Agent:
         # group's teardown does not wait for that rank
         going = [w for w in self.workers if w not in candidates]
         if going:
-            self._await_copies()
+            self._await_copies(going)
             self.launcher.retire(going)
             self._retired_early = {w.pid for w in going}
         ask(candidates, self.control, target)
@@ -369,7 +369,7 @@ class Agent:
         early, self._retired_early = self._retired_early, set()
         going = [w for w in self.workers if w.local_rank not in kept and w.pid not in early]
         if restart:
-            self._await_copies()
+            self._await_copies(going)  # not the kept ones': they finish it as they unwind
             self.launcher.retire(going)
         else:
             stop_workers(going, self.cfg.shutdown_timeout)
@@ -382,10 +382,12 @@ class Agent:
                 if os.path.getsize(path) == 0:
                     os.unlink(path)
 
-    def _await_copies(self) -> None:
-        """Live workers in the middle of a snapshot (phase SAVING) may finish it first (up to
-        2x their last copy time, within ``--shutdown-timeout``): no step lost to the kill."""
-        busy = {w.local_rank: (w, rec) for w in self.workers if w.status() is None
+    def _await_copies(self, workers: Optional[List[Worker]] = None) -> None:
+        """Live workers (``workers``, default all) in the middle of a snapshot (phase SAVING)
+        may finish it first (up to 2x their last copy time, within ``--shutdown-timeout``):
+        no step lost to the kill."""
+        busy = {w.local_rank: (w, rec) for w in (self.workers if workers is None else workers)
+                if w.status() is None
                 for rec in [self.control.record(w.local_rank)] if rec["phase"] == P.Phase.SAVING}
         limit = 0.1 + 2 * max([rec["save_copy_s"] for _, rec in busy.values()], default=0.0)
         deadline = time.monotonic() + min(self.cfg.shutdown_timeout, limit)
