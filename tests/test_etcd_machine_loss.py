@@ -10,6 +10,7 @@ gets them from its peer.  The run ends bitwise equal to a failure-free run.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -118,17 +119,19 @@ def test_jobs_sharing_an_etcd_do_not_see_each_others_keys(etcd_endpoint):
     assert two.add("ckptrun/done/0", 0) == 0 and one.add("ckptrun/done/0", 0) == 1
 
 
-def _two_machines(tmp_path, etcd_endpoint, standby: bool = False):
+def _two_machines(tmp_path, etcd_endpoint, standby: bool = False, script_args=()):
     """Machines a and b (and standby s) of one etcd-v2 job; returns ``(procs, common, out,
     victim, survivor)`` once both are in the job: the victim is group rank 0, whoever the
-    rendezvous made it -- the machine whose loss ends a c10d job."""
+    rendezvous made it -- the machine whose loss ends a c10d job.  ``script_args``: more
+    arguments of the training script."""
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
               "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", uuid.uuid4().hex[:8],
               "--max-restarts", "3", "--replicas", "2"]
     out = str(tmp_path / "final.pt")
-    procs = {n: machine(tmp_path, n, common, out) for n in "ab"}
+    procs = {n: machine(tmp_path, n, common, out, script_args=script_args) for n in "ab"}
     if standby:
-        procs["s"] = machine(tmp_path, "s", common + ["--standby"], out)
+        procs["s"] = machine(tmp_path, "s", common + ["--standby"], out,
+                             script_args=script_args)
     try:
         nodes = wait_until(lambda: all("node" in status(procs[n].run_dir) for n in "ab")
                            and {n: status(procs[n].run_dir)["node"] for n in "ab"},
@@ -173,15 +176,19 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
 
 
 @pytest.mark.spares
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
 def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
-                                                       tmp_path_factory):
+                                                       tmp_path_factory, in_place):
     """``--standby`` with ``--rdzv-backend etcd-v2``: the standby waits in etcd's store
     (the takeover's agreement is a compare-and-set there), holds both machines' copies, and
     takes the place of group rank 0 -- whose loss ends a c10d job -- when its agent is
-    SIGKILLed; nobody is started after the loss, and the run ends bitwise exact."""
+    SIGKILLed; nobody is started after the loss, and the run ends bitwise exact.
+    ``in-place`` (``@ckptrun.resilient``): the survivor's rank goes on in its own process,
+    its process group re-formed with the standby's new rank 0 (the group's store moved)."""
     require_namespaces()
     reference = reference_weights(tmp_path_factory)(2)
-    procs, _, out, victim, survivor = _two_machines(tmp_path, etcd_endpoint, standby=True)
+    procs, _, out, victim, survivor = _two_machines(
+        tmp_path, etcd_endpoint, standby=True, script_args=["--in-place"] if in_place else [])
     standby = procs["s"]
     try:
         def ready() -> bool:
@@ -209,7 +216,12 @@ def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
     restarts = of(survivor.run_dir, "restart")
     assert len(restarts) == 1 and restarts[0].get("standby_took") == [0], restarts
     assert not of(survivor.run_dir, "worker_failed"), of(survivor.run_dir, "worker_failed")
-    for m in (survivor, standby):  # both went on in processes that had imported torch
+    if in_place:  # the survivor (rank 1) was not restarted
+        assert restarts[0].get("in_place") == [1], restarts
+        log = (tmp_path / f"{'a' if survivor is procs['a'] else 'b'}.log").read_text()
+        pids = set(re.findall(r"\[demo\] rank 1: attempt \d+ in pid (\d+)", log))
+        assert len(pids) == 1 and "rank 1: recovering in place into attempt 1" in log, log[-3000:]
+    for m in (standby,) if in_place else (survivor, standby):  # processes had imported torch
         assert all(w["warm"] for w in status(m.run_dir)["workers"]), status(m.run_dir)
     lost = of(survivor.run_dir, "node_lost")
     assert lost[0]["detected_by"] == "link", lost
