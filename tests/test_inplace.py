@@ -18,7 +18,7 @@ from typing import Dict
 import pytest
 import torch
 
-from ckptrun.agent.inplace import hand_over, keepable, unwind
+from ckptrun.agent.inplace import ask, await_unwound, hand_over, keepable, unwind
 from ckptrun.protocol import ControlBlock
 from ckptrun.protocol.recovery import message, message_path, read_message
 
@@ -69,6 +69,20 @@ def test_unwind_keeps_who_unwinds_in_time_and_hand_over_starts_them(tmp_path):
     assert read_message(message_path(str(tmp_path), 4, 0), 4) == {
         "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "4"}  # only what changes
     assert os.stat(os.path.dirname(message_path(str(tmp_path), 4, 0))).st_mode & 0o077 == 0
+
+
+def test_after_a_long_rendezvous_round_the_workers_that_unwound_are_still_kept(tmp_path):
+    """A machine loss asks first and looks after the new membership formed -- a torch round
+    waiting for a replacement can outlast the deadline; who unwound meanwhile is kept."""
+    block = ControlBlock(str(tmp_path / "ctl"), 3, create=True)
+    a, b, dead = _FakeWorker(0), _FakeWorker(1), _FakeWorker(2)
+    ask([a, b, dead], block, 2)
+    assert [block.get(lr, "recover") for lr in range(3)] == [2, 2, 2]
+    block.set(0, "unwound", 2)
+    block.set(2, "unwound", 2)
+    dead.alive = False  # unwound, then died: replaced
+    kept = await_unwound([a, b, dead], block, 2, deadline=time.monotonic() - 60)
+    assert list(kept) == [0]
 
 
 @pytest.mark.parametrize("text", ["", "[]", '{"attempt": 3, "env": {}}', "{not json",

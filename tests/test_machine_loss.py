@@ -41,6 +41,7 @@ from machines import (
     wait_until,
 )
 
+from ckptrun.agent.inplace import UNWIND_TIMEOUT_S
 from ckptrun.tiers.peer import placement
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("namespaces")]
@@ -61,7 +62,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                      replicated: bool = False, measured: bool = False,
                      standbys: int = 0, standby_copies: bool = True,
                      stagger_s: float = 0.0, last_first: bool = False,
-                     script_args=(), nproc: int = 1) -> Loss:
+                     script_args=(), nproc: int = 1, late_s: float = 0.0) -> Loss:
     """Machines a (store host), b, ...; the last ``victims`` of them are SIGKILLed together
     after ``victim_step``; as many newcomers (x, y, ...) with the same command replace them
     -- or, with ``standbys``, that many machines (s, t, ...) started with ``--standby``
@@ -72,7 +73,8 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     rounds run only every 2-3 steps, see docs/multinode.md, and the lag is not the job's);
     ``stagger_s``: the victims die that far apart (the survivors see them lost one by one);
     ``last_first``: in the reverse order (the last machine first); ``script_args``: more
-    arguments of every machine's training script; ``nproc``: ranks per machine."""
+    arguments of every machine's training script; ``nproc``: ranks per machine;
+    ``late_s``: the replacements start that long after the loss."""
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
     common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
@@ -120,6 +122,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
             os.kill(v.pid, signal.SIGKILL)
         for v in lost:
             v.wait(timeout=30)
+        time.sleep(late_s)
         newcomers = spares + [machine(tmp_path, n, common, out, script_args=script_args)
                               for n in "xyz"[:max(0, victims - len(spares))]]
         host = survivors[0]
@@ -302,9 +305,11 @@ def test_resilient_survivors_of_a_machine_loss_stay_in_their_processes(
     it is broken by ckptrun), they unwind and join the new membership in their own processes
     (interpreter, imports and model objects kept), while the lost ranks start on a standby
     that takes their place at once, or on a replacement machine that joins a round of
-    torch's rendezvous.  Bitwise exact at the end."""
+    torch's rendezvous -- started later than a survivor has to unwind, which it did long
+    before.  Bitwise exact at the end."""
     loss = lose_and_replace(tmp_path, ["--replicas", "2"], standbys=standbys,
-                            script_args=["--in-place"], nproc=nproc)
+                            script_args=["--in-place"], nproc=nproc,
+                            late_s=0.0 if standbys else UNWIND_TIMEOUT_S + 1)
     (a,), (b,) = loss.survivors, loss.newcomers
     mine = list(range(nproc))
     restart = recovery(a.run_dir, "restart")

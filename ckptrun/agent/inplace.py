@@ -51,18 +51,19 @@ def ask(candidates: List[Worker], control: ControlBlock, target: int) -> None:
 def await_unwound(candidates: List[Worker], control: ControlBlock, target: int,
                   deadline: float) -> Dict[int, Worker]:
     """{local rank: worker} of the asked ``candidates`` that unwound by ``deadline``
-    (monotonic)."""
+    (monotonic).  Looked at once at least: after a machine loss the deadline may have passed
+    during a long rendezvous round, and the workers that unwound long before still count."""
     waiting = {w.local_rank: w for w in candidates}
     done: Dict[int, Worker] = {}
-    while waiting and time.monotonic() < deadline:
+    while True:
         for lr, w in list(waiting.items()):
             if w.status() is not None:
                 del waiting[lr]  # it left instead (its own failure): replaced
             elif control.get(lr, "unwound") >= target:
                 done[lr] = waiting.pop(lr)
-        if waiting:
-            time.sleep(POLL_S)
-    return done
+        if not waiting or time.monotonic() >= deadline:
+            return done
+        time.sleep(POLL_S)
 
 
 def hand_over(run_dir: str, control: ControlBlock, local_rank: int, attempt: int,
