@@ -172,6 +172,8 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
             if m is survivor:  # the ranks that went on in their own processes
                 sample["in_place"] = next((e.get("in_place", []) for e in reversed(evs)
                                            if e["event"] == "restart"), [])
+        if lost_node is not None:
+            sample["phases"] = _lost_rank_phases(logs, int(lost_node), t_fail, fresh.events())
         sample.update(tiers=tiers, lost_node=lost_node, lag_steps=(
             newest - held if held is not None else None), round_s=(
             statistics.median(rounds) if rounds else None), bytes=mb << 20,
@@ -179,6 +181,27 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
         return sample
     finally:
         teardown(machines, work)
+
+
+def _lost_rank_phases(logs: Dict[tuple, List[dict]], rank: int, t_fail: float,
+                      fresh_events: List[dict]) -> Dict[str, float]:
+    """Where the lost rank's downtime went, on the machine that took it (the critical path
+    when the survivors wait for it): the loss to the place taken (a standby's
+    ``standby_joined``, a replacement's ``start``), to the training function's entry, to
+    the process group and model built, the restore itself, and the first step."""
+    recs = logs.get((rank, 1), [])
+    first = {r["event"]: r for r in reversed(recs)}  # each event's first record
+    taken = next((e["time"] for e in fresh_events
+                  if e["event"] in ("standby_joined", "start")), None)
+    steps = [r["time"] for r in recs if r["event"] == "step"]
+    if taken is None or "start" not in first or "restored" not in first or not steps:
+        return {}
+    restored = first["restored"]
+    built = restored["time"] - restored["seconds"]
+    return {"taken_s": taken - t_fail, "to_function_s": first["start"]["time"] - taken,
+            "group_and_model_s": built - first["start"]["time"],
+            "restore_s": float(restored["seconds"]),
+            "first_step_s": steps[0] - restored["time"]}
 
 
 def _measure(logs: Dict[tuple, List[dict]], t_fail: float) -> Dict[str, object]:
@@ -243,6 +266,13 @@ def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
         from_peer = all(dict(s["tiers"]).get(s.get("lost_node")) == "peer"  # type: ignore[call-overload]
                         for s in good)
         row["met"] = "yes" if from_peer and statistics.median(lost) == 0 else "no"
+    phases = [s["phases"] for s in good if s.get("phases")]
+    if phases:
+        med = {k: statistics.median(float(p[k]) for p in phases) for k in phases[0]}
+        notes.append("the lost rank, medians: place taken {taken_s:.2f} s after the loss, "
+                     "its function entered {to_function_s:.2f} s later, process group and "
+                     "model {group_and_model_s:.2f} s, restore {restore_s:.2f} s, first step "
+                     "{first_step_s:.2f} s".format(**med))
     if "inplace" in standby and good:
         kept = sum(1 for s in good if s.get("in_place"))
         notes.append(f"the survivor recovered in its own process in {kept} of {len(good)} runs")

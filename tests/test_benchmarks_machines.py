@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.machine_loss import _measure, summarize
+from benchmarks.machine_loss import _lost_rank_phases, _measure, summarize
 
 
 def _log(rank: int, steps, t0: float, dt: float, restored=None):
@@ -23,6 +23,18 @@ def test_measure_counts_from_the_last_step_every_rank_completed():
     assert got["fail_step"] == 19 and got["restored_step"] == 18 and got["steps_lost"] == 1
     assert abs(got["recovery_s"] - 12.2) < 1e-9  # the last rank's first step after restore
     assert abs(got["step_s"] - 0.2) < 1e-9
+
+
+def test_the_lost_ranks_downtime_is_split_at_its_own_records():
+    logs = {(1, 1): [{"event": "start", "time": 101.0},
+                     {"event": "restored", "step": 18, "seconds": 0.25, "time": 101.75},
+                     {"event": "step", "step": 19, "time": 102.5},
+                     {"event": "step", "step": 20, "time": 103.0}]}
+    events = [{"event": "standby_joined", "time": 100.25}, {"event": "start", "time": 100.3}]
+    got = _lost_rank_phases(logs, 1, 100.0, events)
+    assert got == {"taken_s": 0.25, "to_function_s": 0.75, "group_and_model_s": 0.5,
+                   "restore_s": 0.25, "first_step_s": 0.75}
+    assert _lost_rank_phases(logs, 0, 100.0, events) == {}  # no attempt-1 records: none
 
 
 def test_measure_without_a_restart_is_an_error_and_summary_says_why():
