@@ -85,6 +85,67 @@ def test_after_a_long_rendezvous_round_the_workers_that_unwound_are_still_kept(t
     assert list(kept) == [0]
 
 
+class _FakeLauncher:
+    def __init__(self):
+        self.retired = []
+
+    def retire(self, workers):
+        self.retired += [w.local_rank for w in workers]
+        for w in workers:
+            w.alive = False
+
+
+def _fake_agent(tmp_path, workers, attempt: int):
+    """What Agent's kept-worker bookkeeping reads, without an agent."""
+    import types
+
+    from ckptrun.agent.supervisor import Agent
+
+    fake = types.SimpleNamespace(
+        workers=workers, control=ControlBlock(str(tmp_path / "ctl"), len(workers), create=True),
+        epoch=types.SimpleNamespace(attempt=attempt), kept={}, _hung=[], _retired_early=set(),
+        launcher=_FakeLauncher(), reaper=types.SimpleNamespace(forget=lambda pid: None),
+        _kept_target=0, _kept_deadline=0.0)
+    for name in ("settle_kept", "drop_kept", "_ask_survivors"):
+        setattr(fake, name, types.MethodType(getattr(Agent, name), fake))
+    fake._await_copies = lambda going: None
+    return fake
+
+
+def test_workers_kept_for_an_attempt_that_never_started_are_asked_again(tmp_path):
+    """A machine lost while the next attempt began (its restore decision raised): the
+    workers kept for it wait unwound (``resilient`` still names the attempt they ran) and
+    are asked for the later attempt, not killed as not resilient."""
+    a, b = _FakeWorker(0), _FakeWorker(1)
+    for w in (a, b):
+        w.pid = 1000 + w.local_rank
+    agent = _fake_agent(tmp_path, [a, b], attempt=3)
+    for lr in (0, 1):
+        agent.control.set(lr, "resilient", 3)  # ran attempt 2, unwound for 3
+        agent.control.set(lr, "unwound", 3)
+    asked = agent._ask_survivors(4, [a, b])
+    assert asked == [a, b] and agent.launcher.retired == []
+    assert [agent.control.get(lr, "recover") for lr in (0, 1)] == [4, 4]
+
+
+def test_kept_workers_are_dropped_when_the_next_attempt_is_older_than_their_target(tmp_path):
+    """The failure was not counted (no store): an unwound worker takes only a go for its
+    target or later, so it would wait 15 minutes for the older attempt -- retire it."""
+    a = _FakeWorker(0)
+    a.pid = 1000
+    agent = _fake_agent(tmp_path, [a], attempt=2)
+    agent.control.set(0, "unwound", 3)
+    agent.kept, agent._kept_target = {0: a}, 3
+    agent._kept_deadline = time.monotonic() + 5
+    agent.settle_kept()
+    assert agent.kept == {} and agent.launcher.retired == [0]
+    b = _FakeWorker(0)
+    b.pid = 1001
+    agent.epoch.attempt, agent.kept, agent.launcher.retired = 3, {0: b}, []
+    agent.settle_kept()  # the attempt it unwound for: kept
+    assert agent.kept == {0: b} and agent.launcher.retired == []
+
+
 @pytest.mark.parametrize("text", ["", "[]", '{"attempt": 3, "env": {}}', "{not json",
                                   '{"attempt": 4, "env": {"LD_PRELOAD": "/tmp/x.so"}}',
                                   '{"attempt": 4, "env": {"MASTER_PORT": 1}}'])

@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
 from ckptrun.agent.downtime import RecoveryClock
@@ -194,7 +194,9 @@ class Agent:
                 outcome = lost
                 self.clock.failed(at=time.monotonic() - lost.silent_s)
             restart = isinstance(outcome, NodeLost) or getattr(outcome, "state", "") == RUN
-            self.kept = {}
+            # workers kept for an attempt that never started: a machine was lost while it
+            # began (``decide_restore`` raised); they wait unwound and take a later attempt
+            carried, self.kept = list(self.kept.values()), {}
             if restart and isinstance(outcome, Epoch):
                 self.kept = self._unwind_survivors(outcome.attempt)
             elif isinstance(outcome, NodeLost):
@@ -205,7 +207,8 @@ class Agent:
                 # The next attempt is at least this one; an unwound worker takes a later go.
                 self._kept_target = self.epoch.attempt + 1
                 self._kept_deadline = time.monotonic() + UNWIND_TIMEOUT_S
-                self.kept = {w.local_rank: w for w in self._ask_survivors(self._kept_target)}
+                self.kept = {w.local_rank: w
+                             for w in self._ask_survivors(self._kept_target, carried)}
             self._stop_group(restart)
             self.clock.stopped()
             if isinstance(outcome, NodeLost):
@@ -231,11 +234,13 @@ class Agent:
         return await_unwound(candidates, self.control, target,
                              time.monotonic() + UNWIND_TIMEOUT_S)
 
-    def _ask_survivors(self, target: int) -> List[Worker]:
-        """The live ``@ckptrun.resilient`` workers, asked to unwind for attempt ``target``;
-        the others are retired first."""
+    def _ask_survivors(self, target: int, carried: Sequence[Worker] = ()) -> List[Worker]:
+        """The live ``@ckptrun.resilient`` workers (and the live ``carried`` ones, unwound
+        for an earlier target), asked to unwind for attempt ``target``; the others are
+        retired first."""
         hung, self._hung = self._hung, []
         candidates = keepable(self.workers, self.control, self.epoch.attempt, hung)
+        candidates += [w for w in carried if w.status() is None and w not in candidates]
         if not candidates:
             return []
         # the others (dead, hung, not resilient) go first: a survivor's collective with a
@@ -253,6 +258,11 @@ class Agent:
         """After a machine loss: keep the asked workers that unwound (by the deadline set
         when they were asked); retire the others."""
         if not self.kept:
+            return
+        if self.epoch.attempt < self._kept_target:
+            # the failure was not counted (the store did not answer): the next attempt is
+            # older than the one they unwound for, and an unwound worker takes only a later go
+            self.drop_kept()
             return
         asked = list(self.kept.values())
         self.kept = await_unwound(asked, self.control, self._kept_target, self._kept_deadline)
