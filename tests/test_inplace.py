@@ -18,7 +18,7 @@ from typing import Dict
 import pytest
 import torch
 
-from ckptrun.agent.inplace import ask, await_unwound, hand_over, keepable, unwind
+from ckptrun.agent.inplace import ask, await_unwound, hand_over, keepable
 from ckptrun.protocol import ControlBlock
 from ckptrun.protocol.recovery import message, message_path, read_message
 
@@ -57,7 +57,8 @@ def test_unwind_keeps_who_unwinds_in_time_and_hand_over_starts_them(tmp_path):
     a, b = _FakeWorker(0), _FakeWorker(1)
     block.set(0, "unwound", 4)  # as the worker would, once it saw recover = 4
     t0 = time.monotonic()
-    kept = unwind([a, b], block, 4, timeout_s=0.3)
+    ask([a, b], block, 4)
+    kept = await_unwound([a, b], block, 4, deadline=time.monotonic() + 0.3)
     assert list(kept) == [0] and time.monotonic() - t0 >= 0.3  # rank 1 never answered
     assert block.get(0, "recover") == 4 and block.get(1, "recover") == 4
     block.set(0, "first_step_at", 12.5)
@@ -106,7 +107,7 @@ def _fake_agent(tmp_path, workers, attempt: int):
         epoch=types.SimpleNamespace(attempt=attempt), kept={}, _hung=[], _retired_early=set(),
         launcher=_FakeLauncher(), reaper=types.SimpleNamespace(forget=lambda pid: None),
         _kept_target=0, _kept_deadline=0.0)
-    for name in ("settle_kept", "drop_kept", "_ask_survivors"):
+    for name in ("settle_kept", "drop_kept", "_retire_asked", "_ask_survivors"):
         setattr(fake, name, types.MethodType(getattr(Agent, name), fake))
     fake._await_copies = lambda going: None
     return fake

@@ -33,17 +33,9 @@ def keepable(workers: List[Worker], control: ControlBlock, attempt: int,
             and not control.get(w.local_rank, "raised")]
 
 
-def unwind(candidates: List[Worker], control: ControlBlock, target: int,
-           timeout_s: float = UNWIND_TIMEOUT_S) -> Dict[int, Worker]:
-    """Ask ``candidates`` to unwind for attempt ``target``; {local rank: worker} of those
-    that did in time (alive, their last snapshot copy finished)."""
-    ask(candidates, control, target)
-    return await_unwound(candidates, control, target, time.monotonic() + timeout_s)
-
-
 def ask(candidates: List[Worker], control: ControlBlock, target: int) -> None:
-    """Ask ``candidates`` to unwind for attempt ``target`` (without waiting: a machine loss
-    asks first and waits once the new membership is formed)."""
+    """Ask ``candidates`` to unwind for attempt ``target`` (:func:`await_unwound` waits: a
+    rank failure at once, a machine loss once the new membership is formed)."""
     for w in candidates:
         control.set(w.local_rank, "recover", target)
 

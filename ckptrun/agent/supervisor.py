@@ -266,19 +266,19 @@ class Agent:
             return
         asked = list(self.kept.values())
         self.kept = await_unwound(asked, self.control, self._kept_target, self._kept_deadline)
-        late = [w for w in asked if w.local_rank not in self.kept]
-        if late:
-            self.launcher.retire(late)
-            for w in late:
-                self.reaper.forget(w.pid)
+        self._retire_asked([w for w in asked if w.local_rank not in self.kept])
 
     def drop_kept(self) -> None:
         """The kept workers cannot go on after all (the job ends, or a new membership gave
         this machine other ranks): retire them as a restart does."""
         kept, self.kept = list(self.kept.values()), {}
-        if kept:
-            self.launcher.retire(kept)
-            for w in kept:
+        self._retire_asked(kept)
+
+    def _retire_asked(self, workers: List[Worker]) -> None:
+        """Retire workers that were asked to unwind but will not go on."""
+        if workers:
+            self.launcher.retire(workers)
+            for w in workers:
                 self.reaper.forget(w.pid)
 
     def _reached_step(self) -> int:
@@ -392,12 +392,11 @@ class Agent:
                 if os.path.getsize(path) == 0:
                     os.unlink(path)
 
-    def _await_copies(self, workers: Optional[List[Worker]] = None) -> None:
-        """Live workers (``workers``, default all) in the middle of a snapshot (phase SAVING)
-        may finish it first (up to 2x their last copy time, within ``--shutdown-timeout``):
-        no step lost to the kill."""
-        busy = {w.local_rank: (w, rec) for w in (self.workers if workers is None else workers)
-                if w.status() is None
+    def _await_copies(self, workers: List[Worker]) -> None:
+        """Live ``workers`` about to be killed that are in the middle of a snapshot (phase
+        SAVING) may finish it first (up to 2x their last copy time, within
+        ``--shutdown-timeout``): no step lost to the kill."""
+        busy = {w.local_rank: (w, rec) for w in workers if w.status() is None
                 for rec in [self.control.record(w.local_rank)] if rec["phase"] == P.Phase.SAVING}
         limit = 0.1 + 2 * max([rec["save_copy_s"] for _, rec in busy.values()], default=0.0)
         deadline = time.monotonic() + min(self.cfg.shutdown_timeout, limit)
