@@ -23,7 +23,7 @@ SECTION_MODULES = ["benchmarks.limits", "benchmarks.stall", "benchmarks.replicat
                    "benchmarks.recovery", "benchmarks.machine_loss", "benchmarks.quoted",
                    "benchmarks.overhead", "benchmarks.steady_state",
                    "benchmarks.replication_overhead", "benchmarks.ddp_exact", "benchmarks.inplace",
-                   "benchmarks.goodput"]
+                   "benchmarks.cuda", "benchmarks.goodput"]
 
 Row = Dict[str, object]
 Column = Tuple[str, str, str]  # (row key, header, format: "s", "ms", "gbps", "ratio", "pct", "int", "str", "bytes")

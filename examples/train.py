@@ -9,7 +9,9 @@ Runs unchanged under ``ckptrun``, ``torchrun`` or plain ``python``::
 recover in their own processes.  ``--crash-at N`` kills rank ``--crash-rank`` with SIGKILL after step N, ``--hang-at N`` stops it
 with SIGSTOP, ``--raise-at N`` raises an exception -- each only in the first attempt, so the
 restarted job runs through.  ``--out FILE`` writes the final weights (rank 0) so a run with
-failures can be compared bitwise with one without.
+failures can be compared bitwise with one without.  ``--device cuda`` trains on the GPU
+(rank ``LOCAL_RANK`` on GPU ``LOCAL_RANK % count``; NCCL where every rank has a GPU of its
+own, else gloo, which reduces CUDA tensors too).
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def place(kind: str, backend: str = "auto") -> tuple[torch.device, str]:
+    """The device this rank trains on and the process group's backend."""
+    if kind == "cpu":
+        return torch.device("cpu"), "gloo" if backend == "auto" else backend
+    # bitwise-equal runs need cuBLAS's deterministic workspace, set before its first use
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise SystemExit("--device cuda: this machine has no GPU")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local % count)
+    torch.cuda.set_device(device)
+    own_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= count
+    if backend == "auto":
+        backend = "nccl" if own_gpu else "gloo"
+    return device, backend
+
+
 def inject_failure(args: argparse.Namespace, step: int, rank: int) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or rank != args.crash_rank:
         return
@@ -70,6 +91,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--setup-s", type=float, default=0.0,
                    help="seconds of per-process start-up before training (a tokenizer, a "
                         "dataset index), outside the function --in-place wraps")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model, batches and ballast live")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="the process group's backend (auto: NCCL where every rank has a GPU "
+                        "of its own, else gloo)")
     p.add_argument("--in-place", action="store_true",
                    help="@ckptrun.resilient: after a failure elsewhere this rank recovers "
                         "in its own process instead of restarting")
@@ -79,22 +105,24 @@ def parse_args() -> argparse.Namespace:
 def train(args: argparse.Namespace) -> None:
     """Everything of one run: process group, model, loop (what @ckptrun.resilient wraps)."""
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    device, backend = place(args.device, args.backend)
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     rank = dist.get_rank() if distributed else 0
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     print(f"[demo] rank {rank}: attempt {attempt} in pid {os.getpid()}", flush=True)
-    model = build_model(args.width)
+    model = build_model(args.width).to(device)
     # plain DDP: ckptrun keeps a resumed run bitwise equal to an uninterrupted one at any
     # world size (it gives a restored process the bucket layout DDP had settled on)
-    ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids) if distributed else model
     optim = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=20, gamma=0.5)
     torch.manual_seed(1 + rank)  # per-rank dropout stream; captured in every snapshot
 
     state = {"model": model, "optim": optim, "sched": sched}
-    ballast = torch.zeros(args.ballast_mib << 18)  # float32: 4 bytes an element
+    ballast = torch.zeros(args.ballast_mib << 18, device=device)  # float32: 4 bytes each
     if args.ballast_mib:
         state["ballast"] = ballast
     ckpt = ckptrun.Checkpointer(state)
@@ -102,7 +130,7 @@ def train(args: argparse.Namespace) -> None:
     if start:
         print(f"[demo] rank {rank}: resumed at step {start}", flush=True)
     for step in range(start, args.steps):
-        x, y = batch(step, rank)
+        x, y = (t.to(device) for t in batch(step, rank))
         loss = nn.functional.mse_loss(ddp(x), y)
         optim.zero_grad()
         loss.backward()
@@ -118,7 +146,8 @@ def train(args: argparse.Namespace) -> None:
     ckpt.close()
 
     if args.out and rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                   args.out)
     if distributed:
         # gloo can abort in its teardown when one rank destroys the group while another is
         # still in flight (seen with plain torchrun too): meet first

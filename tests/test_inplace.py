@@ -303,6 +303,29 @@ def test_a_group_made_outside_the_function_keeps_the_restart(tmp_path):
     assert ControlBlock(ctl).get(0, "resilient") == 0
 
 
+@pytest.mark.parametrize("given,want", [("1", "2"), ("3", "2"), (None, "2"), ("0", "0")])
+def test_a_resilient_function_makes_nccl_errors_raise_instead_of_killing_it(tmp_path, given,
+                                                                          want):
+    """Under TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (ckptrun's and torchrun's) or 3 (torch's
+    default) NCCL's watchdog kills a survivor whose peer died; inside the function it is 2."""
+    script = tmp_path / "nccl_env.py"
+    script.write_text(
+        "import os, ckptrun\n"
+        "@ckptrun.resilient\n"
+        "def train():\n"
+        "    return os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING')\n"
+        "print(train())\n")
+    ctl = str(tmp_path / "ctl")
+    ControlBlock(ctl, 1, create=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    env.update(CKPTRUN_CONTROL=ctl, CKPTRUN_LOCAL_RANK="0")
+    if given is not None:
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = given
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == want, proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.spares
 def test_a_hot_spare_takes_the_failed_rank_without_the_scripts_start_up(tmp_path):

@@ -97,6 +97,22 @@ def _group_exists() -> bool:
         return False
 
 
+NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def _nccl_errors_raise() -> None:
+    """Have NCCL's watchdog abort a failed communicator and let the error reach the
+    function (2, "clean up only") instead of tearing the process down.
+
+    ckptrun and torchrun set 1 ("tear down"), torch's default is 3 ("skip clean-up"): under
+    either, a survivor whose peer died is killed by its own watchdog -- racing the
+    in-place recovery it opted into.  ``ProcessGroupNCCL`` reads the variable when it is
+    made, by the ``init_process_group`` inside the function; 0 (no handling) is left alone.
+    """
+    if os.environ.get(NCCL_ERRORS, "3") != "0":
+        os.environ[NCCL_ERRORS] = "2"
+
+
 def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
@@ -105,6 +121,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, link) -> Any:
     block, local_rank = link
     _breaker.install()
     while True:
+        _nccl_errors_raise()  # the attempt's environment may have set it back
         attempt = _attempt()
         # what exists before the function (imports, the script's start-up) outlives every
         # attempt: out of the collector's sight, a recovery's collection only walks what the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 from typing import Any, Dict, List, Optional
 
@@ -71,6 +72,7 @@ class SlotSet:
         self._ahead: Optional[threading.Thread] = None  # allocates the other slots (ensure)
         self._ready: Dict[int, threading.Event] = {}
         self._closing = False
+        self._device: Optional[int] = None  # the rank's GPU, once CUDA is in use
         if prefix is not None:
             for k in range(num_slots):
                 if os.path.exists(slot_path(prefix, k)):  # a restart: earlier commits stay usable
@@ -134,6 +136,7 @@ class SlotSet:
         machine whose cores wait for the GPU, or for a collective, the others are ready
         before the saves that need them."""
         self._await_ahead(k)
+        self._note_device()
         mm = self.mms[k]
         if mm is not None and len(mm) >= need:
             return mm
@@ -217,15 +220,32 @@ class SlotSet:
 
     # ------------------------------------------------------------------ CUDA pinning
 
+    def _note_device(self) -> None:
+        """Remember the rank's GPU (on the thread that trains: CUDA's current device is per
+        thread) for the slots the allocation thread pins."""
+        if self._device is None and "torch" in sys.modules:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._device = torch.cuda.current_device()
+
     def _pin(self, k: int) -> None:
-        """Register the slot as pinned host memory so device->host copies run at full speed."""
+        """Register the slot as pinned host memory so device->host copies run at full speed.
+
+        Portable (flag 1): pinned for every CUDA context of the process, not only the
+        current one.  On the allocation thread the rank's own device is made current
+        first: a fresh thread's current device is GPU 0, and the runtime call would create
+        a context there -- hundreds of MiB of GPU 0's memory for every rank of the machine.
+        """
         try:
             import torch
 
             if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
                 return
+            self._note_device()
             view = torch.frombuffer(self.mms[k], dtype=torch.uint8)
-            err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)
+            with torch.cuda.device(self._device if self._device is not None else -1):
+                err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 1)
             if int(getattr(err, "value", err)) == 0:
                 self._pinned[k] = view
         except Exception:  # pinning is an optimisation; pageable copies still work
@@ -237,7 +257,8 @@ class SlotSet:
         if view is not None:
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+            with torch.cuda.device(self._device if self._device is not None else -1):
+                torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
 
     def _release(self, mm: mmap.mmap) -> None:
         try:

@@ -1,0 +1,265 @@
+"""The CUDA paths, measured on a GPU (the section returns no rows on a machine without one).
+
+* ``copy`` -- device -> host into a slot as ckptrun allocates it (``SlotSet``: a
+  shared-memory file registered with ``cudaHostRegister``) with ``non_blocking`` copies on
+  a side stream, next to the same copy into an unregistered (pageable) slot and into
+  ``torch``'s own pinned memory (the ceiling); host -> device from a registered slot (a
+  restore); and what registering a slot costs (paid once per slot, at its allocation);
+* ``save`` -- a GPU training step (an MLP + AdamW whose state is the size, in a plain
+  ``python`` process) with ``Checkpointer.save()`` every step vs without: the per-step cost
+  and what ``save()`` blocks the loop (the copy off the GPU; the checksum of the host copy
+  runs behind the next step);
+* ``process`` -- what a restarted GPU process pays again and an in-place survivor keeps: a
+  fresh interpreter's ``import torch``, its CUDA context, an NCCL communicator (a group of
+  one: NCCL refuses two ranks on one GPU), and aborting it and forming a new one in the
+  same process (what ``ckptrun.worker.collectives`` does to a survivor's NCCL group);
+* ``recovery`` -- ``examples/train.py --device cuda`` (2 ranks sharing the GPU, gloo
+  reducing CUDA tensors, a ballast of GPU state), SIGKILL of rank 1: the ``recovered``
+  event's downtime for a restart and for ``--in-place``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List
+
+import torch
+
+from benchmarks import Context, Row, section
+from benchmarks.jobrun import ROOT
+
+COLUMNS = [("kind", "kind", "str"), ("case", "case", "str"), ("bytes", "size", "bytes"),
+           ("median_s", "median", "ms"), ("min_s", "min", "ms"), ("max_s", "max", "ms"),
+           ("gb_per_s", "GB/s", "gbps"), ("ratio", "ratio", "ratio"),
+           ("reps", "reps", "int"), ("note", "note", "str")]
+
+MiB = 1 << 20
+
+
+def _stats(samples: List[float]) -> Row:
+    return {"median_s": statistics.median(samples), "min_s": min(samples),
+            "max_s": max(samples), "reps": len(samples)}
+
+
+def _timed_cuda(fn, reps: int) -> Row:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return _stats(samples)
+
+
+def _copy_rows(nbytes: int, reps: int) -> List[Row]:
+    from ckptrun.worker.slotset import SlotSet
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    rows: List[Row] = []
+
+    def d2h(dst: torch.Tensor):
+        def run():
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+        return run
+
+    pinned = SlotSet(None, 2, 1)  # in-process slots: anonymous maps, pinned as the shm ones
+    t0 = time.perf_counter()
+    mm = pinned.ensure(0, nbytes + 4096, 0, nbytes)
+    alloc_s = time.perf_counter() - t0
+    slot = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+    registered = pinned._pinned[0] is not None
+    plain = mmap.mmap(-1, nbytes + 4096, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
+    pageable = torch.frombuffer(plain, dtype=torch.uint8, count=nbytes)
+    best = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    cases = [("D2H into torch pinned memory (ceiling)", best),
+             ("D2H into a ckptrun slot (registered)", slot),
+             ("D2H into a pageable slot", pageable)]
+    for name, dst in cases:
+        st = _timed_cuda(d2h(dst), reps)
+        rows.append({"kind": "copy", "case": name, "bytes": nbytes, **st,
+                     "gb_per_s": nbytes / st["median_s"] / 1e9})
+    ceiling = rows[0]["median_s"]
+    for r in rows:
+        r["ratio"] = r["median_s"] / ceiling
+    rows[1]["note"] = "registered" if registered else "NOT registered: pinning failed"
+    back = torch.empty_like(src)
+    st = _timed_cuda(lambda: back.copy_(slot, non_blocking=True), reps)
+    rows.append({"kind": "copy", "case": "H2D from a ckptrun slot (restore)", "bytes": nbytes,
+                 **st, "gb_per_s": nbytes / st["median_s"] / 1e9})
+    # what registering costs, apart from the allocation (a second, unregistered map)
+    probe = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
+    view = torch.frombuffer(probe, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    torch.cuda.cudart().cudaHostRegister(view.data_ptr(), nbytes, 1)
+    reg_s = time.perf_counter() - t0
+    torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+    rows.append({"kind": "copy", "case": "cudaHostRegister of a slot (once per slot)",
+                 "bytes": nbytes, **_stats([reg_s]), "gb_per_s": nbytes / reg_s / 1e9,
+                 "note": f"the slot's whole allocation took {alloc_s * 1e3:.0f} ms"})
+    view = slot = pageable = best = None  # the maps close once no view holds them
+    pinned.close()
+    return rows
+
+
+def _save_rows(nbytes: int, steps: int, device: str = "cuda") -> List[Row]:
+    """Per-step time of a GPU training step with and without a save every step."""
+    import ckptrun
+    from benchmarks.steady_state import hidden_for
+
+    width = hidden_for(nbytes)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows: List[Row] = []
+    per: dict = {}
+    for case in ("no checkpointing", "Checkpointer.save() every step"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randn(512, width, device=device)
+        ckpt = ckptrun.Checkpointer({"model": model, "optim": opt}) if "save" in case else None
+        times, blocks = [], []
+        for step in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            opt.step()
+            if ckpt is not None:
+                b0 = time.perf_counter()
+                ckpt.save(step + 1)
+                blocks.append(time.perf_counter() - b0)
+            sync()
+            times.append(time.perf_counter() - t0)
+        if ckpt is not None:
+            ckpt.close()
+        state = sum(p.numel() * 12 for p in model.parameters())
+        warm = times[4:]  # the first steps allocate the slots and AdamW's moments
+        per[case] = statistics.median(warm)
+        note = ""
+        if blocks:
+            note = (f"save() blocks {statistics.median(blocks[4:]) * 1e3:.1f} ms; first "
+                    f"{blocks[0] * 1e3:.0f} ms (slot allocation)")
+        rows.append({"kind": "save", "case": case, "bytes": state, **_stats(warm),
+                     "note": note})
+        del model, opt, ckpt
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for r in rows:
+        r["ratio"] = r["median_s"] / per["no checkpointing"]
+    return rows
+
+
+def _python(code: str, timeout: float = 180) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
+                f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PROCESS_PROBE = r"""
+import json, os, sys, tempfile, time
+t0 = time.perf_counter()
+import torch, torch.distributed as dist
+t1 = time.perf_counter()
+torch.cuda.set_device(0)
+torch.zeros(1, device="cuda").add_(1)
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
+breaker = CollectiveBreaker()
+breaker.install()
+out = {"import_s": t1 - t0, "context_s": t2 - t1}
+d = tempfile.mkdtemp()
+for attempt in range(2):
+    t0 = time.perf_counter()
+    dist.init_process_group("nccl", init_method=f"file://{d}/s{attempt}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    out[f"nccl_form_s_{attempt}"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    breaker.break_all()
+    destroy_groups()
+    breaker.forget()
+    out[f"nccl_abort_s_{attempt}"] = time.perf_counter() - t0
+print(json.dumps(out))
+"""
+
+
+def _process_rows(reps: int) -> List[Row]:
+    got = [_python(PROCESS_PROBE) for _ in range(reps)]
+    ok = [g for g in got if "error" not in g]
+    if not ok:
+        return [{"kind": "process", "case": "probe failed", "note": got[0]["error"]}]
+    cases = [("import torch (fresh interpreter)", "import_s"),
+             ("CUDA context + first kernel", "context_s"),
+             ("NCCL group of one: first formed", "nccl_form_s_0"),
+             ("NCCL: abort (break_all + destroy)", "nccl_abort_s_0"),
+             ("NCCL: formed again in the same process", "nccl_form_s_1")]
+    return [{"kind": "process", "case": name, **_stats([g[key] for g in ok])}
+            for name, key in cases]
+
+
+def _recovery_rows(ballast_mib: int, device: str = "cuda") -> List[Row]:
+    train = os.path.join(ROOT, "examples", "train.py")
+    rows: List[Row] = []
+    for case, extra in (("restart", []), ("in place (@ckptrun.resilient)", ["--in-place"])):
+        work = tempfile.mkdtemp(prefix="ckptrun-cuda-")
+        try:
+            cmd = [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+                   "--run-dir", work, train, "--device", device, "--width", "1024",
+                   "--ballast-mib", str(ballast_mib), "--steps", "60", "--step-time", "0.05",
+                   "--crash-at", "30", *extra]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+            with open(os.path.join(work, "events.jsonl")) as f:
+                evts = [json.loads(line) for line in f if line.strip()]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        rec = [e for e in evts if e["event"] == "recovered"]
+        restored = [e for e in evts if e["event"] == "restored"]
+        if proc.returncode != 0 or not rec:
+            rows.append({"kind": "recovery", "case": case,
+                         "note": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+            continue
+        phases = rec[0].get("phases") or {}
+        note = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()
+                         if isinstance(v, (int, float)))
+        if restored:
+            note += f"; restored from {restored[0].get('tier')}"
+        rows.append({"kind": "recovery", "case": case, "bytes": ballast_mib * MiB,
+                     **_stats([float(rec[0]["downtime_s"])]), "note": note})
+    return rows
+
+
+@section("cuda", "The CUDA paths (measured where a GPU is lent; none on the build machine)",
+         COLUMNS)
+def cuda(ctx: Context) -> List[Row]:
+    if not torch.cuda.is_available():
+        return []
+    rows: List[Row] = []
+    for nbytes in ctx.sizes:
+        rows += _copy_rows(nbytes, ctx.reps)
+    for nbytes in ctx.sizes:
+        rows += _save_rows(nbytes, steps=24)
+    rows += _process_rows(ctx.reps)
+    rows += _recovery_rows(256)
+    for r in rows:
+        r.setdefault("note", "")
+    rows[0]["note"] = "; ".join(x for x in (rows[0]["note"], torch.cuda.get_device_name(0)) if x)
+    return rows

@@ -1,0 +1,117 @@
+"""The CUDA paths, on a machine with a GPU (skipped elsewhere, CI included).
+
+* a job whose state lives on the GPU is snapshotted through the pinned slots (device -> host
+  copies on a side stream), SIGKILLed, restored from memory onto the GPU, and ends bitwise
+  equal to the failure-free run;
+* ``@ckptrun.resilient`` on the GPU: the survivor keeps its process (and its CUDA context)
+  and the run is still bitwise;
+* an NCCL communicator is aborted and a new one formed in the same process -- what a
+  survivor's in-place recovery does to an NCCL group (``ckptrun.worker.collectives``).
+
+Two ranks share one GPU in these jobs (one GPU is what a test machine has), so their group is
+gloo, which reduces CUDA tensors; NCCL refuses two ranks on one device, so its abort is
+exercised with a group of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ckptrun_cmd, run_events
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+STEPS = 16
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _pids(output: str) -> dict:
+    """rank -> {attempt: the pid it ran in}, from examples/train.py's start line."""
+    got: dict = {}
+    for rank, attempt, pid in re.findall(r"\[demo\] rank (\d+): attempt (\d+) in pid (\d+)",
+                                         output):
+        got.setdefault(int(rank), {})[int(attempt)] = int(pid)
+    return got
+
+
+def _job(tmp_path, name: str, *args: str) -> tuple:
+    run_dir, out = tmp_path / name, tmp_path / f"{name}.pt"
+    proc = subprocess.run(
+        ckptrun_cmd("--standalone", "--nproc-per-node", "2", "--hang-timeout", "10",
+                    "--run-dir", str(run_dir), TRAIN, "--device", "cuda", "--width", "256",
+                    "--ballast-mib", "64", "--steps", str(STEPS), "--out", str(out), *args),
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc, run_events(str(run_dir)), torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _job(tmp_path_factory.mktemp("ref"), "ref")[2]
+
+
+def test_a_gpu_job_killed_mid_run_restores_from_memory_bitwise(tmp_path, reference):
+    _, evts, weights = _job(tmp_path, "job", "--crash-at", "6")
+    restored = [e for e in evts if e["event"] == "restored"]
+    assert restored and restored[0]["tier"] == "memory" and restored[0]["step"] >= 5, restored
+    assert _equal(weights, reference), "a restore onto the GPU changed the result"
+
+
+def test_gpu_survivors_recover_in_their_own_process(tmp_path, reference):
+    proc, evts, weights = _job(tmp_path, "job", "--in-place", "--crash-at", "6",
+                               "--crash-rank", "1")
+    restarts = [e for e in evts if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["in_place"] == [0], restarts
+    pids = _pids(proc.stdout + proc.stderr)
+    assert pids[0][0] == pids[0][1] and pids[1][0] != pids[1][1], pids
+    assert _equal(weights, reference), "in-place recovery on the GPU changed the result"
+
+
+NCCL_PROBE = r"""
+import json, os, sys, time, torch, torch.distributed as dist
+from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
+torch.cuda.set_device(0)
+breaker = CollectiveBreaker()
+assert breaker.install()
+out = {}
+for attempt in range(2):
+    t0 = time.perf_counter()
+    dist.init_process_group("nccl", init_method=f"file://{sys.argv[1]}-{attempt}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    out[f"form_s_{attempt}"] = time.perf_counter() - t0
+    out[f"sum_{attempt}"] = float(x[0])
+    t0 = time.perf_counter()
+    breaker.break_all()  # aborts the NCCL communicator
+    out[f"destroyed_{attempt}"] = destroy_groups()
+    breaker.forget()
+    out[f"abort_s_{attempt}"] = time.perf_counter() - t0
+y = torch.full((4,), 2.0, device="cuda")
+out["cuda_after"] = float((y * y).sum())
+print(json.dumps(out))
+"""
+
+
+def test_an_nccl_communicator_is_aborted_and_formed_again_in_the_same_process(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", NCCL_PROBE, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["sum_0"] == got["sum_1"] == 1.0, got
+    assert got["destroyed_0"] and got["destroyed_1"], got
+    assert "aborting the NCCL communicators failed" not in proc.stderr, proc.stderr[-2000:]
+    assert got["cuda_after"] == 16.0, got  # the process's CUDA context survived the abort
+    print(json.dumps(got))
