@@ -33,7 +33,7 @@ from typing import List
 
 import torch
 
-from benchmarks import Context, Row, section
+from benchmarks import Context, Row, human_bytes, section
 from benchmarks.jobrun import ROOT
 
 COLUMNS = [("kind", "kind", "str"), ("case", "case", "str"), ("bytes", "size", "bytes"),
@@ -62,6 +62,7 @@ def _timed_cuda(fn, reps: int) -> Row:
 
 
 def _copy_rows(nbytes: int, reps: int) -> List[Row]:
+    from ckptrun.worker import pinning
     from ckptrun.worker.slotset import SlotSet
 
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -104,12 +105,14 @@ def _copy_rows(nbytes: int, reps: int) -> List[Row]:
     probe = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
     view = torch.frombuffer(probe, dtype=torch.uint8)
     t0 = time.perf_counter()
-    torch.cuda.cudart().cudaHostRegister(view.data_ptr(), nbytes, 1)
+    ok = pinning.register(view, torch.cuda.current_device())
     reg_s = time.perf_counter() - t0
-    torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+    if ok:
+        pinning.unregister(view, torch.cuda.current_device())
     rows.append({"kind": "copy", "case": "cudaHostRegister of a slot (once per slot)",
                  "bytes": nbytes, **_stats([reg_s]), "gb_per_s": nbytes / reg_s / 1e9,
-                 "note": f"the slot's whole allocation took {alloc_s * 1e3:.0f} ms"})
+                 "note": f"the slot's whole allocation took {alloc_s * 1e3:.0f} ms"
+                 + ("" if ok else "; FAILED")})
     view = slot = pageable = best = None  # the maps close once no view holds them
     pinned.close()
     return rows
@@ -143,7 +146,10 @@ def _save_rows(nbytes: int, steps: int, device: str = "cuda") -> List[Row]:
                 blocks.append(time.perf_counter() - b0)
             sync()
             times.append(time.perf_counter() - t0)
+        pinned = ""
         if ckpt is not None:
+            slots = ckpt._slots._pinned
+            pinned = f"; {sum(v is not None for v in slots)}/{len(slots)} slots registered"
             ckpt.close()
         state = sum(p.numel() * 12 for p in model.parameters())
         warm = times[4:]  # the first steps allocate the slots and AdamW's moments
@@ -151,7 +157,7 @@ def _save_rows(nbytes: int, steps: int, device: str = "cuda") -> List[Row]:
         note = ""
         if blocks:
             note = (f"save() blocks {statistics.median(blocks[4:]) * 1e3:.1f} ms; first "
-                    f"{blocks[0] * 1e3:.0f} ms (slot allocation)")
+                    f"{blocks[0] * 1e3:.0f} ms (slot allocation){pinned}")
         rows.append({"kind": "save", "case": case, "bytes": state, **_stats(warm),
                      "note": note})
         del model, opt, ckpt
@@ -252,13 +258,16 @@ def _recovery_rows(ballast_mib: int, device: str = "cuda") -> List[Row]:
 def cuda(ctx: Context) -> List[Row]:
     if not torch.cuda.is_available():
         return []
+    parts = [(f"copy {human_bytes(n)}", lambda n=n: _copy_rows(n, ctx.reps)) for n in ctx.sizes]
+    parts += [(f"save {human_bytes(n)}", lambda n=n: _save_rows(n, steps=24)) for n in ctx.sizes]
+    parts += [("process", lambda: _process_rows(ctx.reps)), ("recovery", lambda: _recovery_rows(256))]
     rows: List[Row] = []
-    for nbytes in ctx.sizes:
-        rows += _copy_rows(nbytes, ctx.reps)
-    for nbytes in ctx.sizes:
-        rows += _save_rows(nbytes, steps=24)
-    rows += _process_rows(ctx.reps)
-    rows += _recovery_rows(256)
+    for name, part in parts:  # one part's failure is a row; the others are still measured
+        try:
+            rows += part()
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            rows.append({"kind": "failed", "case": name, "note": f"{type(exc).__name__}: {first}"})
     for r in rows:
         r.setdefault("note", "")
     rows[0]["note"] = "; ".join(x for x in (rows[0]["note"], torch.cuda.get_device_name(0)) if x)

@@ -22,16 +22,16 @@ fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import torch, ckptrun; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-    python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py 2>&1
     # NCCL with a real peer failure needs two ranks; with one GPU they share it, which NCCL
     # may refuse ("Duplicate GPU"): try, and where it works, kill one rank of an in-place job
     echo "== NCCL, two ranks on GPU 0, in place, rank 1 SIGKILLed after step 6"
     rm -rf /tmp/nccl-run
-    timeout 120 python3 -m ckptrun.cli --standalone --nproc-per-node 2 --max-restarts 1 \
+    timeout 90 python3 -m ckptrun.cli --standalone --nproc-per-node 2 --max-restarts 1 \
         --run-dir /tmp/nccl-run examples/train.py --device cuda --backend nccl --width 256 \
         --steps 16 --in-place --crash-at 6 --crash-rank 1 2>&1 | tail -25
     echo "rc=${PIPESTATUS[0]}"
     grep -h '"restart"\|"restored"\|"recovered"\|"job_failed"' /tmp/nccl-run/events.jsonl 2>/dev/null
     cp /tmp/nccl-run/events.jsonl "$out/nccl-events.jsonl" 2>/dev/null
-    python3 -m benchmarks --only cuda --sizes 256M,1G --reps 3 --out "$out/cuda.json" 2>&1
+    timeout 170 python3 -m benchmarks --only cuda --sizes 256M,1G --reps 3 --out "$out/cuda.json" 2>&1
 } | tee "$out/log"

@@ -69,6 +69,48 @@ def test_defaults(tmp_path):
     assert cfg.master_port == 29500 and cfg.master_addr == "127.0.0.1"
 
 
+def _older_torchrun_parser(monkeypatch, missing):
+    """torchrun's parser as an older torch has it: without the options ``missing``."""
+    import torch.distributed.run as trun
+
+    real = trun.get_args_parser
+
+    def older():
+        parser = real()
+        for action in [a for a in parser._actions if a.dest in missing]:
+            parser._remove_action(action)
+            for group in parser._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            for flag in action.option_strings:
+                parser._option_string_actions.pop(flag, None)
+        return parser
+    monkeypatch.setattr(trun, "get_args_parser", older)
+
+
+LATER_FLAGS = ["shutdown_timeout", "signals_to_handle", "duplicate_stdout_filters",
+               "duplicate_stderr_filters", "virtual_local_rank", "local_ranks_filter",
+               "event_log_handler", "logs_specs"]
+
+
+def test_a_torch_without_newer_torchrun_options_parses_the_same(monkeypatch):
+    """torch 2.11's parser has no --shutdown-timeout (seen on a GPU machine: every ckptrun
+    command failed with an AttributeError); ckptrun adds what an older torch lacks."""
+    want = parse(["--shutdown-timeout", "7", "--local-ranks-filter", "0", "train.py"])
+    plain = parse(["train.py"])
+    _older_torchrun_parser(monkeypatch, LATER_FLAGS)
+    got = parse(["--shutdown-timeout", "7", "--local-ranks-filter", "0", "train.py"])
+    assert got.shutdown_timeout == want.shutdown_timeout == 7.0
+    assert got.local_ranks_filter == want.local_ranks_filter
+    older = parse(["train.py"])
+    for name in ("shutdown_timeout", "signals_to_handle", "duplicate_stdout_filters",
+                 "duplicate_stderr_filters", "virtual_local_rank", "event_log_handler"):
+        assert getattr(older, name) == getattr(plain, name), name
+    with pytest.raises(UsageError, match="numa"):  # torch's own feature: unknown without it
+        _older_torchrun_parser(monkeypatch, LATER_FLAGS + ["numa_binding"])
+        parse(["--numa-binding", "node", "train.py"])
+
+
 def test_script_args_pass_through_untouched():
     args = ["--lr", "3", "--help", "status", "-m", "--nnodes", "4", "--", "--run-dir", "x"]
     cfg = parse(["--nproc-per-node", "2", "train.py", *args])

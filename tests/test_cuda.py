@@ -78,6 +78,24 @@ def test_gpu_survivors_recover_in_their_own_process(tmp_path, reference):
     assert _equal(weights, reference), "in-place recovery on the GPU changed the result"
 
 
+def test_a_failed_slot_registration_is_not_the_scripts_next_cuda_error(capfd):
+    """A failed cudaHostRegister leaves its error for torch's next kernel-launch check,
+    which reported it as the script's ("resource already mapped" out of a backward())."""
+    from ckptrun.worker import pinning
+    from ckptrun.worker.slotset import SlotSet
+
+    x = torch.ones(4, device="cuda")
+    slots = SlotSet(None, 2, 1)
+    mm = slots.ensure(0, 8 << 20, 0, 4 << 20)
+    assert slots._pinned[0] is not None, "a slot of a process that uses CUDA is pinned"
+    view = torch.frombuffer(mm, dtype=torch.uint8)
+    assert not pinning.register(view, 0)  # registered already: the runtime refuses
+    assert float((x * 2).sum()) == 8.0  # a kernel launch after the failure
+    assert "failed (cudaError" in capfd.readouterr().err
+    del view
+    slots.close()
+
+
 NCCL_PROBE = r"""
 import json, os, sys, time, torch, torch.distributed as dist
 from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     trun = _torch_run()
     with _without_pet_env():
         parser = trun.get_args_parser()
+    _add_later_torchrun_flags(parser)
     parser.prog = "ckptrun"
     parser.description = (
         "Run a PyTorch training job like torchrun, with per-iteration in-memory checkpoints "
@@ -525,6 +526,41 @@ def _count(text: str, flag: str) -> int:
     except ValueError:
         raise UsageError(f"{flag} takes a whole number, got {text!r}") from None
     return _positive(n, flag)
+
+
+def _comma_list(text: str) -> List[str]:
+    return [x for x in text.split(",") if x]
+
+
+# torchrun options of newer torch (2.13's parser is the reference) that an older torch's
+# parser lacks -- torch 2.11 has no --shutdown-timeout, and ckptrun's own code reads every
+# one of these: each is added with torchrun's spellings and default where missing, so a
+# ckptrun command line means the same under every torch >= 2.4.  ckptrun implements them
+# itself (shutdown, signals, log files, LOCAL_RANK); --numa-binding needs torch's own code
+# and stays unknown where torch has none.
+_LATER_TORCHRUN_FLAGS: List[Tuple[str, Dict[str, object]]] = [
+    ("shutdown_timeout", dict(type=int, default=None, help="seconds to wait for workers to "
+                              "exit after SIGTERM before SIGKILL")),
+    ("signals_to_handle", dict(default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                               help="signals forwarded to the workers")),
+    ("duplicate_stdout_filters", dict(type=_comma_list, default=[],
+                                      help="ranks whose stdout is also written to one file")),
+    ("duplicate_stderr_filters", dict(type=_comma_list, default=[],
+                                      help="ranks whose stderr is also written to one file")),
+    ("virtual_local_rank", dict(action="store_true", default=False,
+                                help="LOCAL_RANK 0 in every worker")),
+    ("local_ranks_filter", dict(default="", help="only show these local ranks' logs")),
+    ("event_log_handler", dict(default="null", help="torch elastic event log handler")),
+    ("logs_specs", dict(default=None, help=argparse.SUPPRESS)),  # refused if given anyway
+]
+
+
+def _add_later_torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    have = {a.dest for a in parser._actions}
+    for dest, spec in _LATER_TORCHRUN_FLAGS:
+        if dest not in have:
+            flag = "--" + dest.replace("_", "-")
+            parser.add_argument(flag, "--" + dest, dest=dest, **spec)  # type: ignore[arg-type]
 
 
 def _positive(value, flag: str):

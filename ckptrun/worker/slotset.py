@@ -26,6 +26,7 @@ from ckptrun.protocol import (
     open_shm_file,
     slot_path,
 )
+from ckptrun.worker import pinning
 
 MiB = 1 << 20
 ENV_AHEAD = "CKPTRUN_SLOTS_AHEAD"  # "0": each slot is allocated by the save that first needs it
@@ -222,7 +223,7 @@ class SlotSet:
 
     def _note_device(self) -> None:
         """Remember the rank's GPU (on the thread that trains: CUDA's current device is per
-        thread) for the slots the allocation thread pins."""
+        thread) for the slots the allocation thread pins (a fresh thread's is GPU 0)."""
         if self._device is None and "torch" in sys.modules:
             import torch
 
@@ -230,13 +231,8 @@ class SlotSet:
                 self._device = torch.cuda.current_device()
 
     def _pin(self, k: int) -> None:
-        """Register the slot as pinned host memory so device->host copies run at full speed.
-
-        Portable (flag 1): pinned for every CUDA context of the process, not only the
-        current one.  On the allocation thread the rank's own device is made current
-        first: a fresh thread's current device is GPU 0, and the runtime call would create
-        a context there -- hundreds of MiB of GPU 0's memory for every rank of the machine.
-        """
+        """Register the slot as pinned host memory (:mod:`ckptrun.worker.pinning`) so
+        device->host copies run at full speed; only once the process uses CUDA."""
         try:
             import torch
 
@@ -244,10 +240,7 @@ class SlotSet:
                 return
             self._note_device()
             view = torch.frombuffer(self.mms[k], dtype=torch.uint8)
-            with torch.cuda.device(self._device if self._device is not None else -1):
-                err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 1)
-            if int(getattr(err, "value", err)) == 0:
-                self._pinned[k] = view
+            self._pinned[k] = view if pinning.register(view, self._device) else None
         except Exception:  # pinning is an optimisation; pageable copies still work
             self._pinned[k] = None
 
@@ -255,10 +248,7 @@ class SlotSet:
         view = self._pinned[k]
         self._pinned[k] = None
         if view is not None:
-            import torch
-
-            with torch.cuda.device(self._device if self._device is not None else -1):
-                torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+            pinning.unregister(view, self._device)
 
     def _release(self, mm: mmap.mmap) -> None:
         try:
