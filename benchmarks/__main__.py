@@ -67,6 +67,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     "standby or standby-pull: a --standby machine takes the place")
     ap.add_argument("--inplace-forms", help="inplace: comma list of plain, setup, compile, "
                     "compile-kept (default all)")
+    ap.add_argument("--cuda-parts", help="cuda: comma list of copy, save, process, recovery "
+                    "(default all)")
     ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
     ap.add_argument("--steady-sizes", help="steady_state: comma list of 64M,256M,1G (quick: 64M)")
     ap.add_argument("--steady-steps", type=int, help="steady_state: steps per run (12 quick, 24)")
@@ -133,7 +135,8 @@ def run(argv: Optional[List[str]] = None) -> dict:
                            "overhead_steps": args.overhead_steps,
                            "steady_sizes": args.steady_sizes, "steady_steps": args.steady_steps,
                            "machine_loss_cases": args.machine_loss_cases,
-                           "inplace_forms": args.inplace_forms})
+                           "inplace_forms": args.inplace_forms,
+                           "cuda_parts": args.cuda_parts})
     started = time.monotonic()
     results: dict = {"meta": {
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import List
 
 import torch
@@ -118,54 +119,72 @@ def _copy_rows(nbytes: int, reps: int) -> List[Row]:
     return rows
 
 
+SAVE_CASES = {"no checkpointing": None, "save() every step": 1, "save(), every=\"auto\"": "auto"}
+LONG_STEP_FLOP = 2.2e12  # the "long" step's forward + backward: ~40 ms in fp32 on an H200
+
+
 def _save_rows(nbytes: int, steps: int, device: str = "cuda") -> List[Row]:
-    """Per-step time of a GPU training step with and without a save every step."""
-    import ckptrun
+    """Per-step time of a GPU training step with and without snapshots, for a short step
+    (batch 512) and a long one (~40 ms), and what a snapshot's phases took."""
     from benchmarks.steady_state import hidden_for
 
     width = hidden_for(nbytes)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    long_batch = max(512, int(LONG_STEP_FLOP / (24 * width * width)))
     rows: List[Row] = []
-    per: dict = {}
-    for case in ("no checkpointing", "Checkpointer.save() every step"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x = torch.randn(512, width, device=device)
-        ckpt = ckptrun.Checkpointer({"model": model, "optim": opt}) if "save" in case else None
-        times, blocks = [], []
-        for step in range(steps):
-            sync()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=False)
-            model(x).square().mean().backward()
-            opt.step()
-            if ckpt is not None:
-                b0 = time.perf_counter()
-                ckpt.save(step + 1)
-                blocks.append(time.perf_counter() - b0)
-            sync()
-            times.append(time.perf_counter() - t0)
-        pinned = ""
-        if ckpt is not None:
-            slots = ckpt._slots._pinned
-            pinned = f"; {sum(v is not None for v in slots)}/{len(slots)} slots registered"
-            ckpt.close()
-        state = sum(p.numel() * 12 for p in model.parameters())
-        warm = times[4:]  # the first steps allocate the slots and AdamW's moments
-        per[case] = statistics.median(warm)
-        note = ""
-        if blocks:
-            note = (f"save() blocks {statistics.median(blocks[4:]) * 1e3:.1f} ms; first "
-                    f"{blocks[0] * 1e3:.0f} ms (slot allocation){pinned}")
-        rows.append({"kind": "save", "case": case, "bytes": state, **_stats(warm),
-                     "note": note})
-        del model, opt, ckpt
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    for r in rows:
-        r["ratio"] = r["median_s"] / per["no checkpointing"]
+    for batch in (512, long_batch):
+        per: dict = {}
+        first = len(rows)
+        for case, every in SAVE_CASES.items():
+            n = steps * 12 if every == "auto" else steps
+            row = _save_case(width, batch, every, n, device)
+            per[case] = row["median_s"]
+            rows.append({"kind": "save", "case": f"batch {batch}: {case}", **row})
+        for r in rows[first:]:
+            r["ratio"] = r["median_s"] / per["no checkpointing"]
     return rows
+
+
+def _save_case(width: int, batch: int, every, steps: int, device: str) -> Row:
+    import ckptrun
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=device)
+    ckpt = None if every is None else \
+        ckptrun.Checkpointer({"model": model, "optim": opt}, every=every)
+    times, blocks = [], []
+    for step in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+        if ckpt is not None:
+            b0 = time.perf_counter()
+            ckpt.save(step + 1)
+            blocks.append(time.perf_counter() - b0)
+        sync()
+        times.append(time.perf_counter() - t0)
+    note = ""
+    if ckpt is not None:
+        ckpt.wait()
+        slots = ckpt._slots._pinned
+        note = (f"copy {ckpt.last_copy_s * 1e3:.0f} ms of which checksum "
+                f"{ckpt.last_hash_s * 1e3:.0f} ms; save() blocks "
+                f"{statistics.median(blocks[4:]) * 1e3:.1f} ms, the first "
+                f"{blocks[0] * 1e3:.0f} ms; {sum(v is not None for v in slots)}/{len(slots)} "
+                "slots registered")
+        if every == "auto":
+            note += f"; settled on every {ckpt.every} steps"
+        ckpt.close()
+    state = sum(p.numel() * 12 for p in model.parameters())
+    del model, opt, ckpt
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    warm = times[len(times) // 3:] if every == "auto" else times[4:]  # slots, AdamW's moments
+    return {"bytes": state, **_stats(warm), "note": note}
 
 
 def _python(code: str, timeout: float = 180) -> dict:
@@ -261,14 +280,21 @@ def cuda(ctx: Context) -> List[Row]:
     parts = [(f"copy {human_bytes(n)}", lambda n=n: _copy_rows(n, ctx.reps)) for n in ctx.sizes]
     parts += [(f"save {human_bytes(n)}", lambda n=n: _save_rows(n, steps=24)) for n in ctx.sizes]
     parts += [("process", lambda: _process_rows(ctx.reps)), ("recovery", lambda: _recovery_rows(256))]
+    wanted = str(ctx.options.get("cuda_parts") or "copy,save,process,recovery").split(",")
+    parts = [(name, part) for name, part in parts if name.split()[0] in wanted]
     rows: List[Row] = []
     for name, part in parts:  # one part's failure is a row; the others are still measured
         try:
             rows += part()
         except Exception as exc:  # noqa: BLE001
             first = str(exc).splitlines()[0] if str(exc) else ""
-            rows.append({"kind": "failed", "case": name, "note": f"{type(exc).__name__}: {first}"})
+            where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                               for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:]))
+            rows.append({"kind": "failed", "case": name,
+                         "note": f"{type(exc).__name__}: {first} (at {where})"})
     for r in rows:
         r.setdefault("note", "")
-    rows[0]["note"] = "; ".join(x for x in (rows[0]["note"], torch.cuda.get_device_name(0)) if x)
+    if rows:
+        name = torch.cuda.get_device_name(0)
+        rows[0]["note"] = "; ".join(x for x in (rows[0]["note"], name) if x)
     return rows

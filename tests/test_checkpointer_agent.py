@@ -302,7 +302,8 @@ def test_failed_background_copy_does_not_stop_training(node, monkeypatch, capsys
 
     monkeypatch.setattr(slots_mod.SlotWrite, "commit", boom)
     ck.save(2)
-    opt.step()  # the hook waits, the error is reported, training goes on
+    opt.step()  # the hook waits for the copy; training goes on
+    ck.wait()  # what the next save() does first: the error is reported there
     assert "snapshot failed" in capsys.readouterr().err
     assert sorted(mem.steps(0)) == [1] and block.get(0, "phase") == Phase.RUNNING
     monkeypatch.setattr(slots_mod.SlotWrite, "commit", real)

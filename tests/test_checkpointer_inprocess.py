@@ -93,10 +93,10 @@ def test_overlapped_save_returns_before_the_copy_and_step_waits(monkeypatch):
     gate = threading.Event()
     real_copy = slots_mod.SlotWrite.copy
 
-    def gated_copy(self, indices, stream=None):
+    def gated_copy(self, indices, *args):
         if threading.current_thread() is not threading.main_thread():
             gate.wait(60)
-        return real_copy(self, indices, stream)
+        return real_copy(self, indices, *args)
 
     monkeypatch.setattr(slots_mod.SlotWrite, "copy", gated_copy)
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -94,6 +95,40 @@ def test_a_failed_slot_registration_is_not_the_scripts_next_cuda_error(capfd):
     assert "failed (cudaError" in capfd.readouterr().err
     del view
     slots.close()
+
+
+def test_the_optimizer_step_waits_only_for_the_copies_off_the_gpu(monkeypatch):
+    """The checksum of the host copy runs beside the next step (made slow here); the step
+    changes the weights meanwhile and the snapshot still holds the saved step's."""
+    import ckptrun
+    from ckptrun.snapshot import slots as slots_mod
+
+    real = slots_mod.SlotWrite._hash_to
+
+    def slow(self, end):
+        time.sleep(0.05)
+        real(self, end)
+    monkeypatch.setattr(slots_mod.SlotWrite, "_hash_to", slow)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(8, 1024, device="cuda")).square().sum().backward()
+        opt.step()
+        torch.cuda.synchronize()
+    ckpt = ckptrun.Checkpointer({"model": model, "optim": opt})
+    step()
+    ckpt.save(1)
+    saved = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    step()  # its optimizer.step() waited for the copies only: the checksum is still running
+    assert ckpt._pending is not None and not ckpt._pending.is_set()
+    assert not torch.equal(model.weight.detach().cpu(), saved["weight"])
+    ckpt.wait()
+    assert ckpt.restore() == 1
+    assert all(torch.equal(v.detach().cpu(), saved[k]) for k, v in model.state_dict().items())
+    ckpt.close()
 
 
 NCCL_PROBE = r"""

@@ -139,12 +139,15 @@ class SlotWrite:
             self._data = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.data_len,
                                           offset=self.header.data_offset)
 
-    def copy(self, indices: Any, stream: Any = None) -> None:
+    def copy(self, indices: Any, stream: Any = None, released: Any = None) -> None:
         """Copy (and checksum) the tensors ``indices``, which must continue the offset order;
         ``indices`` may be a :class:`CopyPlan` of them made for the current position.
 
         CUDA tensors are first copied with ``non_blocking`` on ``stream`` (the slot memory is
-        pinned by the caller) and then hashed once the copies completed.
+        pinned by the caller) and then hashed once the copies completed.  ``released`` (an
+        event) is set as soon as the tensors are no longer read: after the GPU copies where
+        no CPU tensor is among them -- the training loop may change them while the host
+        copy is hashed.
         """
         t0 = time.perf_counter()
         plan = indices if isinstance(indices, CopyPlan) else \
@@ -157,6 +160,8 @@ class SlotWrite:
                 for i in plan.gpu:
                     self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
             (stream or torch.cuda.current_stream()).synchronize()
+        if released is not None and not plan.cpu_sources:
+            released.set()
         for kind, a, b in plan.ops:
             if kind == _CAT:  # b: byte views and zero padding that fill [self._pos, a)
                 torch.cat(b, out=self._data[self._pos:a])
@@ -174,6 +179,8 @@ class SlotWrite:
                 if t.device.type == "cpu":
                     self._typed_dst(a).copy_(t)
                 self._hash_to(o + b)
+        if released is not None:
+            released.set()
         self.copy_s += time.perf_counter() - t0
 
     def _hash_to(self, end: int) -> None:

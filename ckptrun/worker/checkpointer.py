@@ -122,6 +122,8 @@ class Checkpointer:
         collect_at_exit()  # the job's DDP/FSDP process groups go before shutdown, not in it
         self._pending: Optional[threading.Event] = None  # set when the background copy is done
         self._pending_error: Optional[BaseException] = None
+        # set when the background copy no longer reads the state (see _await_release)
+        self._released: Optional[threading.Event] = None
         self._hooked: Dict[int, Any] = {}
         self._stream = None
         self.saves, self.skipped_saves, self.last_block_s = 0, 0, 0.0
@@ -154,7 +156,9 @@ class Checkpointer:
         :meth:`get`).  Give them at every save: each snapshot holds the values given to it.
 
         Returns as soon as the synchronous part is copied; parameters and optimizer state
-        may still be copying (the next ``optimizer.step()`` waits for them).
+        may still be copying (the next ``optimizer.step()`` waits for them; state on the
+        GPU only until it is copied off the GPU, the checksum of the host copy goes on
+        beside the step and the next ``save()`` waits for it).
         """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"ckptrun: save(step): step must be an int, got {step!r}")
@@ -177,6 +181,9 @@ class Checkpointer:
             self._ctl("snapshot_every", iv.every)
             self._ctl("snapshot_overhead", iv.overhead or 0.0)
         if not due:
+            # the previous snapshot's checksum may still run (state on the GPU): it is that
+            # snapshot's cost, and "auto" reads the time after this call as a plain step
+            self.wait()
             self._set_phase(Phase.RUNNING, step)
             return False
         self._last_snap = step
@@ -232,7 +239,9 @@ class Checkpointer:
             plan = lay.plan
             if plan is None or not plan.still_valid(tensors):
                 plan = lay.plan = CopyPlan(tensors, lay.offsets, lay.deferred, lay.sync_end)
-            self._pending = self._copier.submit(self._finish, job, k, plan, stream)
+            self._released = threading.Event()
+            self._pending = self._copier.submit(self._finish, job, k, plan, stream,
+                                                self._released)
         else:
             self._finish(job, k, None, stream)
         self.last_block_s = time.perf_counter() - t0
@@ -275,6 +284,17 @@ class Checkpointer:
         self._set_phase(Phase.RUNNING, step)
         self._interval.restart()
         return step
+
+    def _await_release(self) -> None:
+        """Before ``optimizer.step()`` changes the state: wait until the background copy no
+        longer reads it.  For state on the GPU that is when the copies off the GPU are done
+        -- the checksum of the host copy goes on beside the step (the next ``save()``
+        waits for it); for CPU state it is the whole write (copies and checksum are
+        interleaved, cache-hot)."""
+        released = self._released
+        if released is not None:
+            released.wait()
+            self._released = None
 
     def wait(self) -> None:
         """Wait for the background copy of the previous save (no-op when none runs)."""
@@ -349,15 +369,19 @@ class Checkpointer:
             full[self._values_key] = self.values
         return full
 
-    def _finish(self, job: SlotWrite, k: int, deferred: Optional[CopyPlan], stream: Any) -> None:
+    def _finish(self, job: SlotWrite, k: int, deferred: Optional[CopyPlan], stream: Any,
+                released: Optional[threading.Event] = None) -> None:
         try:
             if deferred is not None:
-                job.copy(deferred, stream)
+                job.copy(deferred, stream, released)
             h = job.commit()
         except BaseException as e:  # the slot stays WRITING: ignored by every reader
             self._pending_error = e
             self._ctl("phase", Phase.RUNNING)
             return
+        finally:
+            if released is not None:
+                released.set()
         self.saves += 1
         self.last_copy_s = job.copy_s
         self.last_hash_s = job.hash_s
@@ -452,7 +476,8 @@ class Checkpointer:
 
     def _hook(self, opt: torch.optim.Optimizer) -> None:
         if id(opt) not in self._hooked:
-            self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait())
+            self._hooked[id(opt)] = opt.register_step_pre_hook(
+                lambda *_: self._await_release())
 
     def _copy_stream(self, tensors: List[torch.Tensor]) -> Any:
         if not any(t.is_cuda for t in tensors):
