@@ -28,7 +28,7 @@ fi
     # may refuse: try two ranks on GPU 0 first, and only where that works run an in-place
     # job with rank 1 SIGKILLed
     echo "== NCCL, two ranks on GPU 0"
-    if timeout 60 python3 - <<'PY'
+    cat >/tmp/nccl_pair.py <<'PY'
 import os, sys, tempfile, traceback
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
@@ -47,7 +47,7 @@ def run(rank, path):
 if __name__ == "__main__":
     mp.spawn(run, args=(tempfile.mktemp(),), nprocs=2)
 PY
-    then
+    if timeout 60 python3 /tmp/nccl_pair.py; then
         rm -rf /tmp/nccl-run
         timeout 90 python3 -m ckptrun.cli --standalone --nproc-per-node 2 --max-restarts 1 \
             --run-dir /tmp/nccl-run examples/train.py --device cuda --backend nccl --width 256 \

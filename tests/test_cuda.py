@@ -131,6 +131,37 @@ def test_the_optimizer_step_waits_only_for_the_copies_off_the_gpu(monkeypatch):
     ckpt.close()
 
 
+def test_checkpointers_dropped_or_closed_leave_no_registered_memory_behind(monkeypatch, capfd):
+    """A slot map unmapped while registered stays registered in the driver: the next map at
+    its address failed to register (cudaError 712) and the copies into it failed at the
+    script's next kernel ("resource already mapped"), seen when a benchmark dropped one
+    Checkpointer and made another."""
+    import gc
+
+    import ckptrun
+    from ckptrun.worker import pinning
+
+    monkeypatch.setattr(pinning, "_warned", False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for round_ in range(4):
+        ckpt = ckptrun.Checkpointer({"model": model, "optim": opt})
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.ones(64, 2048, device="cuda")).square().mean().backward()
+            opt.step()
+            ckpt.save(step + 1)
+        ckpt.wait()
+        assert all(v is not None for v in ckpt._slots._pinned), round_
+        if round_ % 2:
+            ckpt.close()
+        del ckpt
+        gc.collect()
+    torch.cuda.synchronize()
+    assert "failed (cudaError" not in capfd.readouterr().err
+
+
 NCCL_PROBE = r"""
 import json, os, sys, time, torch, torch.distributed as dist
 from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups

@@ -153,3 +153,43 @@ def test_no_pickle_in_the_memory_tier():
         src = f.read_text()
         assert not re.search(r"import pickle|pickle\.(loads?|dumps?|Unpickler)|"
                              r"torch\.(save|load)\(|copyreg", src), f
+
+
+def test_a_write_with_tensors_on_the_gpu_hashes_the_same_bytes(monkeypatch):
+    """With GPU tensors in a plan, the CPU tensors beside them (AdamW's step counts) are
+    copied during the device->host copies and everything is hashed afterwards, so that the
+    state is released before the checksum: the slot and its checksum must be those of the
+    plain write.  (On a machine without a GPU, two CPU tensors stand in for GPU ones.)"""
+    import threading
+
+    from ckptrun.snapshot.copyplan import CopyPlan
+    from ckptrun.snapshot.slots import SlotWrite, meta_bytes, verify_slot
+
+    class _Stream:
+        def synchronize(self):
+            pass
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.tensor(7.0), torch.randn(3000, generator=g),  # small: one torch.cat
+               torch.randn(1 << 20, generator=g), torch.tensor(8.0),  # large: memmove
+               torch.randn(5, 7, generator=g).t(), torch.randn(100, generator=g)]
+    offsets, data_len = layout([t.numel() * t.element_size() for t in tensors])
+    meta = meta_bytes({"tree": None, "tensors": []})
+
+    def write(as_gpu):
+        mm = mmap.mmap(-1, 8 << 20)
+        job = SlotWrite(mm, meta, tensors, offsets, data_len, 5, 0, 1)
+        job.begin()
+        plan = CopyPlan(tensors, offsets, range(len(tensors)), 0)
+        plan.gpu = as_gpu
+        released = threading.Event()
+        job.copy(plan, None, released)
+        assert released.is_set()
+        return mm, job.commit()
+
+    plain_mm, plain = write([])
+    mixed_mm, mixed = write([2, 5])
+    assert mixed.checksum == plain.checksum
+    data = slice(plain.data_offset, plain.data_offset + data_len)  # (headers: commit times)
+    assert bytes(mixed_mm[data]) == bytes(plain_mm[data])
+    assert verify_slot(mixed_mm, mixed)

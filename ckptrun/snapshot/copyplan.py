@@ -62,10 +62,6 @@ class CopyPlan:
             pos = o + n
         if batch:
             self.ops.append((_CAT, pos, batch))
-        # whether ops read the tensors themselves; if not, once the GPU copies are done the
-        # sources may change while the host copy is hashed
-        self.cpu_sources = any(tensors[i].device.type == "cpu" and _nbytes(tensors[i])
-                               for i in idx)
 
     def still_valid(self, tensors: List[torch.Tensor]) -> bool:
         """Whether this plan copies ``tensors`` correctly: each is still at the same address,

@@ -143,11 +143,11 @@ class SlotWrite:
         """Copy (and checksum) the tensors ``indices``, which must continue the offset order;
         ``indices`` may be a :class:`CopyPlan` of them made for the current position.
 
-        CUDA tensors are first copied with ``non_blocking`` on ``stream`` (the slot memory is
-        pinned by the caller) and then hashed once the copies completed.  ``released`` (an
-        event) is set as soon as the tensors are no longer read: after the GPU copies where
-        no CPU tensor is among them -- the training loop may change them while the host
-        copy is hashed.
+        CUDA tensors are copied with ``non_blocking`` on ``stream`` (the slot memory is
+        pinned by the caller); CPU tensors beside them (AdamW's step counts) are copied
+        meanwhile, and everything is hashed once the copies completed.  ``released`` (an
+        event) is set as soon as no tensor is read any more: with tensors on the GPU before
+        the checksum -- the training loop may change them while the host copy is hashed.
         """
         t0 = time.perf_counter()
         plan = indices if isinstance(indices, CopyPlan) else \
@@ -155,33 +155,53 @@ class SlotWrite:
         if plan.start != self._pos:
             raise ValueError(f"ckptrun: copy plan starts at {plan.start}, the write is at "
                              f"{self._pos}")
+        copied = False
         if plan.gpu:
             with torch.cuda.stream(stream) if stream is not None else _null():
                 for i in plan.gpu:
                     self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
+            self._copy_cpu_sources(plan)
             (stream or torch.cuda.current_stream()).synchronize()
-        if released is not None and not plan.cpu_sources:
-            released.set()
+            copied = True
+            if released is not None:
+                released.set()
         for kind, a, b in plan.ops:
             if kind == _CAT:  # b: byte views and zero padding that fill [self._pos, a)
-                torch.cat(b, out=self._data[self._pos:a])
+                if not copied:
+                    torch.cat(b, out=self._data[self._pos:a])
                 self._hash_to(a)
                 continue
             t, o = self.tensors[a], self.offsets[a]
             self._pad_to(o)
-            if kind == _MEMMOVE:
+            if kind == _MEMMOVE and not copied:
                 dst, src = self._data.data_ptr() + o, t.data_ptr()
                 for x in range(0, b, CHUNK):
                     y = min(b, x + CHUNK)
                     ctypes.memmove(dst + x, src + x, y - x)  # GIL released, no intra-op pool
                     self._hash_to(o + y)  # still cache-hot
             else:
-                if t.device.type == "cpu":
+                if t.device.type == "cpu" and not copied:
                     self._typed_dst(a).copy_(t)
                 self._hash_to(o + b)
         if released is not None:
             released.set()
         self.copy_s += time.perf_counter() - t0
+
+    def _copy_cpu_sources(self, plan: CopyPlan) -> None:
+        """The CPU tensors of ``plan`` into their places, not hashed yet (the copy loop
+        hashes them in offset order, with the GPU tensors' host copies)."""
+        pos = self._pos
+        for kind, a, b in plan.ops:
+            if kind == _CAT:  # fills [pos, a), its zero padding included
+                torch.cat(b, out=self._data[pos:a])
+                pos = a
+                continue
+            t, o = self.tensors[a], self.offsets[a]
+            if kind == _MEMMOVE:
+                ctypes.memmove(self._data.data_ptr() + o, t.data_ptr(), b)
+            elif t.device.type == "cpu":
+                self._typed_dst(a).copy_(t)
+            pos = o + b
 
     def _hash_to(self, end: int) -> None:
         """Hash the data bytes ``[self._pos, end)``, just written."""

@@ -325,6 +325,7 @@ class Checkpointer:
         self._hooked.clear()
         self._copier.stop()
         self._slots.stop_allocating()
+        self._slots.unpin()  # no more writes: the CUDA registrations go now, not at collection
         self._closed = True
         _live.discard(self)
 

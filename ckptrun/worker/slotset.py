@@ -12,6 +12,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 from ckptrun.protocol import (
@@ -73,7 +74,14 @@ class SlotSet:
         self._ahead: Optional[threading.Thread] = None  # allocates the other slots (ensure)
         self._ready: Dict[int, threading.Event] = {}
         self._closing = False
-        self._device: Optional[int] = None  # the rank's GPU, once CUDA is in use
+        self._device_cell: List[Optional[int]] = [None]  # the rank's GPU, once CUDA is used
+        # A registered map that is unmapped without cudaHostUnregister stays registered in
+        # the driver: the next map at that address fails to register, and CUDA copies into
+        # it fail -- as the script's error, at its next kernel (seen on an H200 after a
+        # Checkpointer was dropped and another made).  So a SlotSet collected with pinned
+        # slots unregisters them first.
+        self._finalizer = weakref.finalize(self, _unpin_views, self._pinned, self._device_cell)
+        self._finalizer.atexit = False  # the process ends: CUDA goes with its maps
         if prefix is not None:
             for k in range(num_slots):
                 if os.path.exists(slot_path(prefix, k)):  # a restart: earlier commits stay usable
@@ -221,6 +229,10 @@ class SlotSet:
 
     # ------------------------------------------------------------------ CUDA pinning
 
+    @property
+    def _device(self) -> Optional[int]:
+        return self._device_cell[0]
+
     def _note_device(self) -> None:
         """Remember the rank's GPU (on the thread that trains: CUDA's current device is per
         thread) for the slots the allocation thread pins (a fresh thread's is GPU 0)."""
@@ -228,7 +240,7 @@ class SlotSet:
             import torch
 
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                self._device = torch.cuda.current_device()
+                self._device_cell[0] = torch.cuda.current_device()
 
     def _pin(self, k: int) -> None:
         """Register the slot as pinned host memory (:mod:`ckptrun.worker.pinning`) so
@@ -249,6 +261,11 @@ class SlotSet:
         self._pinned[k] = None
         if view is not None:
             pinning.unregister(view, self._device)
+
+    def unpin(self) -> None:
+        """Unregister every pinned slot (the maps stay, readable): when the writer is done."""
+        for k in range(self.num_slots):
+            self._unpin(k)
 
     def _release(self, mm: mmap.mmap) -> None:
         try:
@@ -283,6 +300,13 @@ class SlotSet:
             if self.mms[k] is not None:
                 self._release(self.mms[k])
                 self.mms[k] = None
+
+
+def _unpin_views(pinned: List[Optional[Any]], device_cell: List[Optional[int]]) -> None:
+    for k, view in enumerate(pinned):
+        if view is not None:
+            pinned[k] = None
+            pinning.unregister(view, device_cell[0])
 
 
 # ---------------------------------------------------------------------- warm spares
