@@ -252,8 +252,10 @@ class RestartCosts:
     interpreter, 2-3 s on 2 cores).  The others are public figures, there to be overridden
     with a cluster's own numbers (``benchmarks/goodput.py`` takes them as options):
 
-    * ``cuda_context_s`` -- a CUDA context per process, 1-4 s (the figure issue 16 quotes;
-      not measured here: no GPU was lent to this project's sessions);
+    * ``cuda_context_s`` -- a CUDA context per process, 1-4 s (the figure issue 16 quotes);
+      measured on an H200 (torch 2.11, CUDA 13): 0.16 s for the context and a first kernel
+      (``benchmarks/results/cuda-h200.json``) -- a real model's first step adds its
+      libraries' handles; 2 s stays the default, for a cluster to override;
     * ``comm_init_s`` -- an NCCL communicator: tens of seconds on one node, and ~265 s cold
       at 96k GPUs (Si et al., "Collective Communication for 100k+ GPUs", Meta,
       arXiv:2510.20171, 2025), whose init phases grow super-linearly with the job;
