@@ -638,8 +638,10 @@ class Agent:
         recs = [self.control.record(w.local_rank) for w in self.workers]
         workers = [w.row(r, info.group_rank if info else 0, now) for w, r in zip(self.workers, recs)]
         for row, r in zip(workers, recs):
-            if r["snapshot_every"]:  # interval mode (0: a snapshot at every step)
-                row.update(snapshot_every=r["snapshot_every"],
+            # interval mode (0: a snapshot at every step), or what every-step snapshots
+            # were measured to cost the loop
+            if r["snapshot_every"] or r["snapshot_overhead"]:
+                row.update(snapshot_every=r["snapshot_every"] or 1,
                            snapshot_overhead=round(r["snapshot_overhead"], 4))
         slots = {str(w.global_rank): [p for k in range(cfg.num_slots) for p in
                                       [P.slot_path(self._slot_prefix(w.global_rank), k)]

@@ -54,6 +54,7 @@ from ckptrun.worker.heartbeat import raise_if_recovering, worker_link
 from ckptrun.worker.interval import SnapshotInterval
 from ckptrun.worker.saving import Copier, Layout
 from ckptrun.worker.slotset import ShmTooSmall, SlotSet
+from ckptrun.worker.snapshot_cost import TOO_COSTLY, SnapshotCost
 from ckptrun.worker.stale import StaleNumbers
 from ckptrun.worker.standalone import StandalonePersister
 
@@ -134,6 +135,9 @@ class Checkpointer:
         self._layout: Optional[Layout] = None
         # every= N | "auto" (default CKPTRUN_SNAPSHOT_EVERY, else 1: every step, DESIGN)
         self._interval = SnapshotInterval(every, overhead_budget, self.world_size)
+        self._cost = SnapshotCost()  # what the snapshots block the loop (said if too much)
+        self._cost_seen = 0
+        self._cost_said = False
         self._last_step: Optional[int] = None  # the last step given to save() ...
         self._last_snap: Optional[int] = None  # ... and the last one snapshotted
         self._shown_every = 1 if self._interval.mode == "1" else 0  # reported to the agent
@@ -167,6 +171,7 @@ class Checkpointer:
                              "state after n steps, and restore() returns 0 for 'nothing "
                              "restored'; in a loop over range(start, total) call "
                              "save(step + 1)")
+        t0 = time.monotonic()
         if self._link is not None:
             raise_if_recovering(self._link)  # a rank elsewhere failed (@ckptrun.resilient)
         self.values = values
@@ -184,11 +189,38 @@ class Checkpointer:
             # the previous snapshot's checksum may still run (state on the GPU): it is that
             # snapshot's cost, and "auto" reads the time after this call as a plain step
             self.wait()
+            self._cost.blocked(time.monotonic() - t0)
             self._set_phase(Phase.RUNNING, step)
             return False
         self._last_snap = step
         self._stale.saved(step)
-        return self._snapshot(step)
+        took = self._snapshot(step)
+        now = time.monotonic()
+        self._cost.blocked(now - t0)
+        self._cost.snapshot_done(now)
+        self._judge_cost()
+        return took
+
+    def _judge_cost(self) -> None:
+        """Show what a fixed interval's snapshots cost (``ckptrun status``); say it once where
+        they make the loop at least twice as slow -- silence would leave a user with a job
+        many times slower than under torchrun and no reason given."""
+        cost = self._cost
+        if self._interval.mode == "auto" or cost.share() is None:
+            return
+        self._cost_seen += 1
+        if self._cost_seen % 32 != 1:
+            return
+        share = cost.share()
+        self._ctl("snapshot_overhead", min(share, 1e6))
+        if share >= TOO_COSTLY and not self._cost_said and self.rank == 0:
+            self._cost_said = True
+            blocked, training = cost.mean_ms()
+            print(f"ckptrun: snapshots every {self._interval.every} step(s) block the "
+                  f"training loop {blocked:.0f} ms each against {training:.0f} ms of "
+                  f"training ({1 + share:.1f}x the time without them); --snapshot-every "
+                  "auto (Checkpointer(every='auto') without the launcher) snapshots every "
+                  "k steps within a 3% budget", file=sys.stderr, flush=True)
 
     def get(self, name: str, default: Any = None) -> Any:
         """A value given to ``save(step, name=...)``: after ``restore()``, the restored one;
@@ -283,6 +315,7 @@ class Checkpointer:
         self._ctl("restore_s", dt)
         self._set_phase(Phase.RUNNING, step)
         self._interval.restart()
+        self._cost.restart()
         return step
 
     def _await_release(self) -> None:
@@ -293,7 +326,9 @@ class Checkpointer:
         interleaved, cache-hot)."""
         released = self._released
         if released is not None:
+            t0 = time.monotonic()
             released.wait()
+            self._cost.blocked(time.monotonic() - t0)
             self._released = None
 
     def wait(self) -> None:
