@@ -312,3 +312,29 @@ def test_a_registered_number_that_never_changes_is_named_once(capfd):
     err = capfd.readouterr().err
     assert err.count("warning") == 1, err
     assert "'iter_num'" in err and "ckpt.save(step, iter_num=iter_num)" in err
+
+
+def test_a_checkpointer_dropped_without_close_is_collected_with_its_slots():
+    """Its optimizer hook and copy thread must not keep it: its slots' CUDA registration
+    is undone when it is collected (on a GPU, a map freed while registered broke the next
+    Checkpointer's copies), and a new Checkpointer for the same optimizer is not slowed by
+    the old one's hook."""
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = ckptrun.Checkpointer({"model": model, "optim": opt})
+    for step in range(3):
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+        ck.save(step + 1)
+    ck.wait()
+    gone, slots = weakref.ref(ck), ck._slots._finalizer
+    thread = ck._copier._thread
+    del ck
+    gc.collect()
+    assert gone() is None and not slots.alive
+    thread.join(5)
+    assert not thread.is_alive()  # the copy thread ended with it
+    opt.step()  # the old hook is harmless

@@ -157,11 +157,13 @@ class SlotWrite:
                              f"{self._pos}")
         copied = False
         if plan.gpu:
-            with torch.cuda.stream(stream) if stream is not None else _null():
-                for i in plan.gpu:
-                    self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
-            self._copy_cpu_sources(plan)
-            (stream or torch.cuda.current_stream()).synchronize()
+            try:
+                with torch.cuda.stream(stream) if stream is not None else _null():
+                    for i in plan.gpu:
+                        self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
+                self._copy_cpu_sources(plan)
+            finally:  # no copy may still be in flight once the state is released
+                (stream or torch.cuda.current_stream()).synchronize()
             copied = True
             if released is not None:
                 released.set()

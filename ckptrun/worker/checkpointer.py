@@ -138,6 +138,7 @@ class Checkpointer:
         self._cost = SnapshotCost()  # what the snapshots block the loop (said if too much)
         self._cost_seen = 0
         self._cost_said = False
+        self._aside_s = 0.0  # what the last save() spent on persisting and ckptrun check
         self._last_step: Optional[int] = None  # the last step given to save() ...
         self._last_snap: Optional[int] = None  # ... and the last one snapshotted
         self._shown_every = 1 if self._interval.mode == "1" else 0  # reported to the agent
@@ -145,6 +146,9 @@ class Checkpointer:
         for opt in S.find_optimizers(self._view()):
             self._hook(opt)
         _live.add(self)
+        # dropped without close(): the copy thread ends with it (the slots' own finalizer
+        # unregisters their CUDA memory)
+        weakref.finalize(self, self._copier.stop).atexit = False
 
     # ------------------------------------------------------------------ public API
 
@@ -196,9 +200,13 @@ class Checkpointer:
         self._stale.saved(step)
         took = self._snapshot(step)
         now = time.monotonic()
-        self._cost.blocked(now - t0)
-        self._cost.snapshot_done(now)
-        self._judge_cost()
+        self._cost.blocked(now - t0 - self._aside_s)
+        self._aside_s = 0.0
+        if self._slots.complete():
+            self._cost.snapshot_done(now)
+            self._judge_cost()
+        else:  # the first saves wait for slots being allocated: once per job, not a cost
+            self._cost.restart()
         return took
 
     def _judge_cost(self) -> None:
@@ -247,6 +255,7 @@ class Checkpointer:
         for opt in fl.optimizers:
             self._hook(opt)
         tensors = [t for _, t in fl.items]
+        self._slots.use_device(next((t.device.index for t in tensors if t.is_cuda), None))
         lay = self._layout_of(fl, self.overlap and bool(fl.optimizers))
         mj = S.meta_json(step, self.rank, self.world_size, fl.tree, lay.tensors_json)
         k = self._slots.choose(self._pin())
@@ -278,6 +287,7 @@ class Checkpointer:
             self._finish(job, k, None, stream)
         self.last_block_s = time.perf_counter() - t0
         self._ctl("save_block_s", self.last_block_s)
+        aside = time.monotonic()  # a durable write and ckptrun check's probe: not snapshots
         if self._persist is not None and self._persist.collective and self._persist.due(step):
             self.wait()  # a collective write: every rank is here at the same step
             self._persist.write(self._committed(k, step), step)
@@ -286,6 +296,7 @@ class Checkpointer:
             got = self._committed(k, step)
             if got is not None:
                 self._check.committed(step, *got)
+        self._aside_s += time.monotonic() - aside
         return True
 
     def restore(self) -> int:
@@ -512,8 +523,13 @@ class Checkpointer:
 
     def _hook(self, opt: torch.optim.Optimizer) -> None:
         if id(opt) not in self._hooked:
-            self._hooked[id(opt)] = opt.register_step_pre_hook(
-                lambda *_: self._await_release())
+            me = weakref.ref(self)  # the optimizer must not keep a dropped Checkpointer
+
+            def before_step(*_: Any) -> None:
+                ck = me()
+                if ck is not None:
+                    ck._await_release()
+            self._hooked[id(opt)] = opt.register_step_pre_hook(before_step)
 
     def _copy_stream(self, tensors: List[torch.Tensor]) -> Any:
         if not any(t.is_cuda for t in tensors):

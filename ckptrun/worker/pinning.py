@@ -43,13 +43,19 @@ def register(view: Any, device: Optional[int]) -> bool:
 
 
 def unregister(view: Any, device: Optional[int]) -> None:
-    """Undo :func:`register` (before the memory is unmapped or handed on)."""
-    import torch
+    """Undo :func:`register` (before the memory is unmapped or handed on).  Never raises:
+    it runs in ``close()`` and in a recovery, where CUDA may already be broken (a device
+    assert) and the script's own exception is the one to see."""
+    try:
+        import torch
 
-    with torch.cuda.device(device if device is not None else -1):
-        err = int(torch.cuda.cudart().cudaHostUnregister(view.data_ptr()))
-        if err != 0:
-            _clear_last_error()
+        with torch.cuda.device(device if device is not None else -1):
+            err = int(torch.cuda.cudart().cudaHostUnregister(view.data_ptr()))
+            if err != 0:
+                _clear_last_error()
+    except Exception as exc:  # noqa: BLE001
+        _warn(f"unregistering slot memory failed: {exc!r}")
+        return
     if err != 0:
         _warn(f"unregistering slot memory at {view.data_ptr():#x} failed (cudaError {err})")
 

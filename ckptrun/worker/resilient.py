@@ -140,6 +140,9 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, link) -> Any:
                 _breaker.break_all()
                 raise
             what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            # while the frames still hold them: a Checkpointer collected with its frame
+            # would not hand its slot maps to the next attempt's
+            _abandon_checkpointers()
             del exc  # its traceback holds the function's frames: the model, DDP, the group
         else:
             watcher.stop()
@@ -158,9 +161,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, link) -> Any:
 def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
     """Leave nothing of the failed attempt running, tell the agent, wait for its go; the
     message's environment updates (None: none usable)."""
-    from ckptrun.worker.checkpointer import abandon_all
-
-    abandon_all()  # their last copy finishes first: the slot the restore reads is whole
+    _abandon_checkpointers()  # (any made after the request was read)
     _breaker.break_all()  # a group created after the request was read
     destroy_groups()
     _breaker.forget()
@@ -187,6 +188,14 @@ def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
             block.set(local_rank, "unwound", target)
         time.sleep(POLL_S)
     return None
+
+
+def _abandon_checkpointers() -> None:
+    """The open Checkpointers stop: their last copy finishes first (the slot the restore
+    reads is whole) and their slot maps wait for the next attempt."""
+    from ckptrun.worker.checkpointer import abandon_all
+
+    abandon_all()
 
 
 def _apply(env: dict) -> None:

@@ -58,6 +58,9 @@ class Copier:
                 fn(*args)
             finally:
                 done.set()
+                # not kept while waiting for the next: they hold the Checkpointer, whose
+                # collection unregisters its slots' CUDA memory
+                item = fn = args = done = None
 
     def stop(self) -> None:
         """End the thread and wait for it: a daemon thread still alive when the interpreter
@@ -65,5 +68,6 @@ class Copier:
         ("terminate called without an active exception")."""
         if self._thread is not None:
             self._q.put(None)
-            self._thread.join(timeout=10.0)
+            if self._thread is not threading.current_thread():  # (a collection on it)
+                self._thread.join(timeout=10.0)
             self._thread = None

@@ -233,6 +233,16 @@ class SlotSet:
     def _device(self) -> Optional[int]:
         return self._device_cell[0]
 
+    def use_device(self, index: Optional[int]) -> None:
+        """The GPU the state lives on (a script may use ``cuda:N`` without making it
+        current): the slots are registered through it."""
+        if index is not None:
+            self._device_cell[0] = index
+
+    def complete(self) -> bool:
+        """Every slot allocated (the allocation thread is done with them)."""
+        return all(mm is not None for mm in self.mms)
+
     def _note_device(self) -> None:
         """Remember the rank's GPU (on the thread that trains: CUDA's current device is per
         thread) for the slots the allocation thread pins (a fresh thread's is GPU 0)."""
