@@ -187,8 +187,8 @@ def _save_case(width: int, batch: int, every, steps: int, device: str) -> Row:
     return {"bytes": state, **_stats(warm), "note": note}
 
 
-def _python(code: str, timeout: float = 180) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+def _python(script: str, *args: str, timeout: float = 180) -> dict:
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
@@ -196,47 +196,19 @@ def _python(code: str, timeout: float = 180) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-PROCESS_PROBE = r"""
-import json, os, sys, tempfile, time
-t0 = time.perf_counter()
-import torch, torch.distributed as dist
-t1 = time.perf_counter()
-torch.cuda.set_device(0)
-torch.zeros(1, device="cuda").add_(1)
-torch.cuda.synchronize()
-t2 = time.perf_counter()
-from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
-breaker = CollectiveBreaker()
-breaker.install()
-out = {"import_s": t1 - t0, "context_s": t2 - t1}
-d = tempfile.mkdtemp()
-for attempt in range(2):
-    t0 = time.perf_counter()
-    dist.init_process_group("nccl", init_method=f"file://{d}/s{attempt}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
-    x = torch.ones(1 << 20, device="cuda")
-    dist.all_reduce(x)
-    torch.cuda.synchronize()
-    out[f"nccl_form_s_{attempt}"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    breaker.break_all()
-    destroy_groups()
-    breaker.forget()
-    out[f"nccl_abort_s_{attempt}"] = time.perf_counter() - t0
-print(json.dumps(out))
-"""
+PROBE = os.path.join(ROOT, "tests", "scripts", "nccl_reform_probe.py")
 
 
 def _process_rows(reps: int) -> List[Row]:
-    got = [_python(PROCESS_PROBE) for _ in range(reps)]
+    got = [_python(PROBE, tempfile.mktemp(prefix="ckptrun-nccl-")) for _ in range(reps)]
     ok = [g for g in got if "error" not in g]
     if not ok:
         return [{"kind": "process", "case": "probe failed", "note": got[0]["error"]}]
     cases = [("import torch (fresh interpreter)", "import_s"),
              ("CUDA context + first kernel", "context_s"),
-             ("NCCL group of one: first formed", "nccl_form_s_0"),
-             ("NCCL: abort (break_all + destroy)", "nccl_abort_s_0"),
-             ("NCCL: formed again in the same process", "nccl_form_s_1")]
+             ("NCCL group of one: first formed", "form_s_0"),
+             ("NCCL: abort (break_all + destroy)", "abort_s_0"),
+             ("NCCL: formed again in the same process", "form_s_1")]
     return [{"kind": "process", "case": name, **_stats([g[key] for g in ok])}
             for name, key in cases]
 

@@ -162,39 +162,13 @@ def test_checkpointers_dropped_or_closed_leave_no_registered_memory_behind(monke
     assert "failed (cudaError" not in capfd.readouterr().err
 
 
-NCCL_PROBE = r"""
-import json, os, sys, time, torch, torch.distributed as dist
-from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
-torch.cuda.set_device(0)
-breaker = CollectiveBreaker()
-assert breaker.install()
-out = {}
-for attempt in range(2):
-    t0 = time.perf_counter()
-    dist.init_process_group("nccl", init_method=f"file://{sys.argv[1]}-{attempt}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
-    x = torch.ones(1 << 20, device="cuda")
-    dist.all_reduce(x)
-    torch.cuda.synchronize()
-    out[f"form_s_{attempt}"] = time.perf_counter() - t0
-    out[f"sum_{attempt}"] = float(x[0])
-    t0 = time.perf_counter()
-    breaker.break_all()  # aborts the NCCL communicator
-    out[f"destroyed_{attempt}"] = destroy_groups()
-    breaker.forget()
-    out[f"abort_s_{attempt}"] = time.perf_counter() - t0
-y = torch.full((4,), 2.0, device="cuda")
-out["cuda_after"] = float((y * y).sum())
-print(json.dumps(out))
-"""
-
-
 def test_an_nccl_communicator_is_aborted_and_formed_again_in_the_same_process(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", NCCL_PROBE, str(tmp_path / "store")],
+    probe = os.path.join(ROOT, "tests", "scripts", "nccl_reform_probe.py")
+    proc = subprocess.run([sys.executable, probe, str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["sum_0"] == got["sum_1"] == 1.0, got
+    assert got["installed"] and got["sum_0"] == got["sum_1"] == 1.0, got
     assert got["destroyed_0"] and got["destroyed_1"], got
     assert "aborting the NCCL communicators failed" not in proc.stderr, proc.stderr[-2000:]
     assert got["cuda_after"] == 16.0, got  # the process's CUDA context survived the abort
