@@ -136,7 +136,6 @@ class Checkpointer:
         # every= N | "auto" (default CKPTRUN_SNAPSHOT_EVERY, else 1: every step, DESIGN)
         self._interval = SnapshotInterval(every, overhead_budget, self.world_size)
         self._cost = SnapshotCost()  # what the snapshots block the loop (said if too much)
-        self._cost_seen = 0
         self._cost_said = False
         self._aside_s = 0.0  # what the last save() spent on persisting and ckptrun check
         self._last_step: Optional[int] = None  # the last step given to save() ...
@@ -214,10 +213,7 @@ class Checkpointer:
         they make the loop at least twice as slow -- silence would leave a user with a job
         many times slower than under torchrun and no reason given."""
         cost = self._cost
-        if self._interval.mode == "auto" or cost.share() is None:
-            return
-        self._cost_seen += 1
-        if self._cost_seen % 32 != 1:
+        if self._interval.mode == "auto" or not cost.window_ends():
             return
         share = cost.share()
         self._ctl("snapshot_overhead", min(share, 1e6))
@@ -255,7 +251,8 @@ class Checkpointer:
         for opt in fl.optimizers:
             self._hook(opt)
         tensors = [t for _, t in fl.items]
-        self._slots.use_device(next((t.device.index for t in tensors if t.is_cuda), None))
+        gpu = next((t.device.index for t in tensors if t.is_cuda), None)  # None: no CUDA
+        self._slots.use_device(gpu)
         lay = self._layout_of(fl, self.overlap and bool(fl.optimizers))
         mj = S.meta_json(step, self.rank, self.world_size, fl.tree, lay.tensors_json)
         k = self._slots.choose(self._pin())
@@ -272,7 +269,7 @@ class Checkpointer:
         job = SlotWrite(mm, mj, tensors, lay.offsets, lay.data_len, step, self.rank,
                         self.world_size)
         job.begin()
-        stream = self._copy_stream(tensors)
+        stream = self._copy_stream(gpu)
         if stream is not None:  # copies must see the kernels that produced the tensors
             stream.wait_stream(torch.cuda.current_stream())
         job.copy(lay.sync, stream)
@@ -531,8 +528,9 @@ class Checkpointer:
                     ck._await_release()
             self._hooked[id(opt)] = opt.register_step_pre_hook(before_step)
 
-    def _copy_stream(self, tensors: List[torch.Tensor]) -> Any:
-        if not any(t.is_cuda for t in tensors):
+    def _copy_stream(self, gpu: Optional[int]) -> Any:
+        """The side stream for copies off the GPU (None: no state on a GPU)."""
+        if gpu is None:
             return None
         if self._stream is None:
             self._stream = torch.cuda.Stream()

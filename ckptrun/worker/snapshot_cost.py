@@ -27,6 +27,7 @@ class SnapshotCost:
         self._gaps: Deque[float] = deque(maxlen=WINDOW)
         self._since = 0.0  # blocked since the last snapshot
         self._last: Optional[float] = None
+        self._measured = 0  # gaps measured since the start
 
     def blocked(self, seconds: float) -> None:
         """The loop waited ``seconds`` for a snapshot (a hook's wait, a save() call)."""
@@ -37,6 +38,7 @@ class SnapshotCost:
         if self._last is not None:
             self._gaps.append(now - self._last)
             self._blocked.append(self._since)
+            self._measured += 1
         self._since = 0.0
         self._last = now
 
@@ -44,6 +46,10 @@ class SnapshotCost:
         """After a restore: the gap to the next snapshot is not a training interval."""
         self._last = None
         self._since = 0.0
+
+    def window_ends(self) -> bool:
+        """The last snapshot completed a window of fresh measurements (every WINDOW-th)."""
+        return self._measured >= WINDOW and self._measured % WINDOW == 0
 
     def share(self) -> Optional[float]:
         """Blocked / training time over a full window; None before one was seen."""
