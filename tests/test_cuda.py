@@ -131,6 +131,32 @@ def test_the_optimizer_step_waits_only_for_the_copies_off_the_gpu(monkeypatch):
     ckpt.close()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_state_on_another_gpu_than_the_current_one_is_copied_on_its_own_stream():
+    """A script may keep its model on cuda:1 without torch.cuda.set_device: the copies off
+    the GPU must be ordered after that device's kernels, on a stream of that device."""
+    import ckptrun
+
+    assert torch.cuda.current_device() == 0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).to("cuda:1")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt = ckptrun.Checkpointer({"model": model, "optim": opt})
+    for step in (1, 2):
+        opt.zero_grad()
+        model(torch.ones(8, 1024, device="cuda:1")).square().sum().backward()
+        opt.step()  # no synchronize: the copies must wait for these kernels themselves
+        ckpt.save(step)
+    ckpt.wait()
+    assert ckpt._stream.device == torch.device("cuda:1")
+    saved = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    assert ckpt.restore() == 2
+    assert all(torch.equal(v.detach().cpu(), saved[k]) for k, v in model.state_dict().items())
+    ckpt.close()
+
+
 def test_checkpointers_dropped_or_closed_leave_no_registered_memory_behind(monkeypatch, capfd):
     """A slot map unmapped while registered stays registered in the driver: the next map at
     its address failed to register (cudaError 712) and the copies into it failed at the

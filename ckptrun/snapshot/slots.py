@@ -163,7 +163,8 @@ class SlotWrite:
                         self._typed_dst(i).copy_(self.tensors[i], non_blocking=True)
                 self._copy_cpu_sources(plan)
             finally:  # no copy may still be in flight once the state is released
-                (stream or torch.cuda.current_stream()).synchronize()
+                (stream or torch.cuda.current_stream(
+                    self.tensors[plan.gpu[0]].device)).synchronize()
             copied = True
             if released is not None:
                 released.set()

@@ -271,7 +271,7 @@ class Checkpointer:
         job.begin()
         stream = self._copy_stream(gpu)
         if stream is not None:  # copies must see the kernels that produced the tensors
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(torch.cuda.current_stream(gpu))
         job.copy(lay.sync, stream)
         if lay.deferred:
             plan = lay.plan
@@ -532,8 +532,11 @@ class Checkpointer:
         """The side stream for copies off the GPU (None: no state on a GPU)."""
         if gpu is None:
             return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        # on the state's GPU, not the current one: a script may keep its model on cuda:N
+        # without torch.cuda.set_device, and a stream of another device would not order
+        # the copies after the kernels that wrote the tensors
+        if self._stream is None or self._stream.device.index != gpu:
+            self._stream = torch.cuda.Stream(device=gpu)
         return self._stream
 
     def _pin(self) -> int:
