@@ -72,6 +72,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--overhead-steps", type=int, help="overhead: steps per run (120 quick, 400)")
     ap.add_argument("--steady-sizes", help="steady_state: comma list of 64M,256M,1G (quick: 64M)")
     ap.add_argument("--steady-steps", type=int, help="steady_state: steps per run (12 quick, 24)")
+    ap.add_argument("--steady-cold", action="store_true",
+                    help="steady_state: do not warm the machine's memory before each run")
     ap.add_argument("--plots", metavar="DIR", nargs="?", const="docs",
                     help="write PNG plots (needs matplotlib) into DIR (default docs)")
     ap.add_argument("--update-doc", metavar="MD", nargs="?", const="docs/performance.md",
@@ -134,6 +136,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
                            "hang_observe_s": args.hang_observe_s,
                            "overhead_steps": args.overhead_steps,
                            "steady_sizes": args.steady_sizes, "steady_steps": args.steady_steps,
+                           "steady_cold": args.steady_cold,
                            "machine_loss_cases": args.machine_loss_cases,
                            "inplace_forms": args.inplace_forms,
                            "cuda_parts": args.cuda_parts})

@@ -14,6 +14,13 @@ rank -- real training state, not padding -- in three cases, interleaved round by
 * ``ckptrun, save() on/off in blocks`` -- one run alternating blocks of steps with and
   without ``save()``; adjacent blocks see the same machine load, the steadiest ratio.
 
+Memory the machine has not used recently is warmed before every run (``warm_memory``): on
+a virtual machine the host backs guest memory lazily and takes idle memory back, so a first
+touch of it ran at 0.45-0.75 GB/s here (4 GiB: 5.45 s cold, 0.55 s warm), which charged
+whichever case needed the most memory -- ckptrun's three slots a rank -- with the host's
+work, not its own (at 1 GiB a rank: 45 s vs 31 s for the same job, cold vs warm).  The
+seconds that warming took are in the rows' ``warm_s``; ``--steady-cold`` turns it off.
+
 Per-step cost is a slope, not a whole job's time: the median interval between rank 0's
 completed steps after a warm-up, so start-up, the first steps' page faults and shutdown do
 not count.  The fixed cost is the rest: the launch's wall time less steps × that step time
@@ -28,7 +35,11 @@ import math
 import shutil
 import statistics
 import tempfile
+import time
 from typing import Dict, List
+
+import psutil
+import torch
 
 from benchmarks import Context, Row, section
 from benchmarks.jobrun import Launch, Outcome, interleaved_rounds, launch
@@ -48,6 +59,7 @@ COLUMNS = [("size", "state/rank", "str"), ("case", "case", "str"),
            ("warmup_s", "warm-up steps' extra s", "float"),
            ("end_s", "last step → exit s", "float"),
            ("persist_s", "final persist s", "float"),
+           ("warm_s", "memory warmed before, s", "float"),
            ("opt_ms", "optimizer.step() ms", "float"), ("save_ms", "save() ms", "float"),
            ("reps", "reps", "int"), ("note", "note", "str")]
 
@@ -100,9 +112,28 @@ CASES: Dict[str, dict] = {
 }
 
 
-def one_run(case: dict, hidden: int, steps: int, root: str) -> dict:
+#: what a run touches at most, in states a rank: ckptrun's three slots plus the job's own
+#: model, gradients, AdamW's moments, DDP's buckets and torch (~2.5 states)
+TOUCHED_STATES = 5.5
+RANKS = 2
+
+
+def warm_memory(nbytes: int) -> float:
+    """Touch ``nbytes`` of fresh memory once and free it (capped to 70% of what is
+    available); returns the seconds it took -- long where the host had taken it back."""
+    avail = psutil.virtual_memory().available
+    n = int(min(nbytes, 0.7 * avail))
+    t0 = time.perf_counter()
+    if n > 0:
+        buf = torch.ones(n, dtype=torch.uint8)  # writes every page
+        del buf
+    return time.perf_counter() - t0
+
+
+def one_run(case: dict, hidden: int, steps: int, root: str, warm_bytes: int = 0) -> dict:
     work = tempfile.mkdtemp(prefix="steady-", dir=root)
     try:
+        warm_s = warm_memory(warm_bytes) if warm_bytes else None
         spec = Launch(case["launcher"],
                       ["--ckpt", case["ckpt"], "--steps", str(steps), "--hidden", str(hidden),
                        "--layers", str(LAYERS), "--batch", "64", "--state-mb", "0",
@@ -116,7 +147,7 @@ def one_run(case: dict, hidden: int, steps: int, root: str) -> dict:
         return {"step_s": step, "wall_s": out.wall_s, "fixed_s": out.wall_s - steps * step,
                 "pairs": block_slowdowns(out, skip=SKIP) if case["job"] else [],
                 "opt_ms": _median_ms(out, "opt_s"), "save_ms": _median_ms(out, "save_s"),
-                **_phases(out, step)}
+                **({"warm_s": warm_s} if warm_s is not None else {}), **_phases(out, step)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -130,13 +161,16 @@ def steady_state(ctx: Context) -> List[Row]:
     names = [n.strip() for n in names.split(",") if n.strip() in SIZES]
     steps = int(ctx.options.get("steady_steps") or (12 if ctx.quick else 24))
     reps = int(ctx.options.get("launch_reps") or (1 if ctx.quick else 2))
+    cold = bool(ctx.options.get("steady_cold"))
     rows: List[Row] = []
     root = tempfile.mkdtemp(prefix="ckptrun-bench-steady-", dir=ctx.tmpdir)
     try:
         for size in names:
             hidden = hidden_for(SIZES[size])
-            samples = interleaved_rounds(list(CASES), reps, ctx.time_budget_s,
-                                         lambda _r, n, h=hidden: one_run(CASES[n], h, steps, root))
+            warm = 0 if cold else int(TOUCHED_STATES * RANKS * SIZES[size])
+            samples = interleaved_rounds(
+                list(CASES), reps, ctx.time_budget_s,
+                lambda _r, n, h=hidden, w=warm: one_run(CASES[n], h, steps, root, w))
             rows += _rows(size, hidden, steps, samples)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -158,7 +192,7 @@ def _rows(size: str, hidden: int, steps: int, samples: Dict[str, List[dict]]) ->
             row.update(step_s=step, fixed_s=statistics.median(s["fixed_s"] for s in good),
                        opt_ms=statistics.median(s["opt_ms"] for s in good),
                        save_ms=statistics.median(s["save_ms"] for s in good))
-            for key in ("first_s", "warmup_s", "end_s", "persist_s"):
+            for key in ("first_s", "warmup_s", "end_s", "persist_s", "warm_s"):
                 vals = [s[key] for s in good if key in s]
                 if vals:
                     row[key] = statistics.median(vals)
