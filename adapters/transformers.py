@@ -15,14 +15,15 @@ prepared data loader's public ``skip_batches`` (accelerate's ``DataLoaderShard``
 after the resumed epoch's iterator was created, exactly where HF's own resume does it.
 
 Not captured: the Trainer's private logging accumulators (the first loss logged after a
-resume averages only the steps since the resume), and ``state.epoch`` (a float for logs)
-counts within the resumed epoch from the resume point.
+resume averages only the steps since the resume).  ``state.epoch`` (a float for logs) is
+corrected for the batches skipped in the resumed epoch, which HF counts from the resume point.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 from typing import Any, Dict, Optional
 
@@ -64,6 +65,21 @@ def _deepspeed_engine(model: Any) -> Any:
     return None
 
 
+def _hf_trainer_log() -> logging.Logger:
+    return logging.getLogger("transformers.trainer")
+
+
+class _NoSampleWarning(logging.Filter):
+    """Drops HF's "not a single sample in your epoch_iterator, stopping training" for an
+    epoch skipped whole on resume: training goes on (``on_epoch_end``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("There seems not to be a single sample")
+
+
+_NO_SAMPLE = _NoSampleWarning()
+
+
 class CkptrunCallback(TrainerCallback):
     """Snapshot the training state every ``every_n_steps`` optimizer steps; restore it at
     train start.  ``persist_to``/``persist_every`` are passed to ``ckptrun.Checkpointer``
@@ -79,6 +95,7 @@ class CkptrunCallback(TrainerCallback):
         self._rng = S.DeferredRNG()
         self._loader: Any = None
         self._skip = 0  # batches still to skip (over epochs) after a restore
+        self._skipped = (0, 0)  # (batches skipped, batches) of the current epoch
         self._epoch = -1
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -114,6 +131,12 @@ class CkptrunCallback(TrainerCallback):
         n = min(self._skip, per_epoch)
         self._loader.skip_batches = n
         self._skip -= n
+        self._skipped = (n, per_epoch)
+        if n and n >= per_epoch:  # HF warns that it stops (it does not: on_epoch_end)
+            _hf_trainer_log().addFilter(_NO_SAMPLE)
+            if getattr(args, "process_index", 0) == 0:
+                print(f"ckptrun: epoch {self._epoch} was trained before the snapshot: "
+                      "skipped", file=sys.stderr, flush=True)
         if n == 0:  # resuming at an epoch boundary: the RNG goes before the iterator
             self._rng.apply()
 
@@ -121,6 +144,9 @@ class CkptrunCallback(TrainerCallback):
         self._rng.apply()  # after the resumed epoch's iterator fetched its first batch
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        n, per_epoch = self._skipped
+        if n and per_epoch:  # HF counts the resumed epoch's batches from the resume point
+            state.epoch = min(float(int(state.epoch) + 1), state.epoch + n / per_epoch)
         if self.ckpt is not None and state.global_step % self.every_n_steps == 0:
             self.ckpt.save(int(state.global_step))
 
@@ -132,6 +158,8 @@ class CkptrunCallback(TrainerCallback):
                 control.should_training_stop = False
         if self._loader is not None and hasattr(self._loader, "skip_batches"):
             self._loader.skip_batches = 0
+        self._skipped = (0, 0)
+        _hf_trainer_log().removeFilter(_NO_SAMPLE)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is not None:

@@ -1,7 +1,8 @@
 """Example (and adapter test job) -- HF Trainer job for the adapter tests: a small MLP (no download), synthetic data, dropout,
 AdamW + linear schedule, 2 epochs, CPU/gloo; ``--deepspeed-stage N`` trains it through
 DeepSpeed ZeRO stage N (the Trainer's own optimizer).  ``--crash-at K`` SIGKILLs rank 1 at step K in
-the first attempt; ``--out F`` writes the final weights (rank 0)."""
+the first attempt (``--in-place``: the training runs under ``@ckptrun.resilient`` and rank 0
+recovers in its own process); ``--out F`` writes the final weights (rank 0)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 import torch.nn as nn
 from ckptrun.adapters.transformers import CkptrunCallback
 from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import ckptrun
 
 
 class Tiny(nn.Module):
@@ -57,7 +60,14 @@ def main() -> None:
     p.add_argument("--no-ckpt", action="store_true")
     p.add_argument("--deepspeed-stage", type=int, default=-1,
                    help="train through DeepSpeed ZeRO with this stage (1-3)")
+    p.add_argument("--in-place", action="store_true",
+                   help="@ckptrun.resilient: a rank that did not fail recovers in its process")
     a = p.parse_args()
+    (ckptrun.resilient(train) if a.in_place else train)(a)
+
+
+def train(a: argparse.Namespace) -> None:
+    """One training: TrainingArguments (they form the process group), Trainer, train()."""
     ds = None
     if a.deepspeed_stage >= 0:  # the Trainer's own AdamW, handed to DeepSpeed's ZeRO
         ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

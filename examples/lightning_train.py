@@ -1,6 +1,8 @@
 """Example (and adapter test job) -- Lightning job for the adapter tests: a small MLP LightningModule, synthetic data with a
 shuffling sampler, dropout, AdamW + StepLR, DDP on CPU (gloo), 2 epochs.  ``--crash-at K``
-SIGKILLs rank 1 after optimizer step K in the first attempt; ``--out F``: final weights."""
+SIGKILLs rank 1 after optimizer step K in the first attempt (``--in-place``: the fit runs
+under ``@ckptrun.resilient`` and rank 0 recovers in its own process); ``--out F``: final
+weights."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import lightning as L
 import torch
 import torch.nn as nn
 from ckptrun.adapters.lightning import CkptrunCallback
+
+import ckptrun
 
 
 class Tiny(L.LightningModule):
@@ -40,7 +44,14 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--no-ckpt", action="store_true")
+    p.add_argument("--in-place", action="store_true",
+                   help="@ckptrun.resilient: a rank that did not fail recovers in its process")
     a = p.parse_args()
+    (ckptrun.resilient(fit) if a.in_place else fit)(a)
+
+
+def fit(a: argparse.Namespace) -> None:
+    """One fit: a fresh Trainer (it forms the process group) and module each call."""
     L.seed_everything(1, verbose=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(48, 8, generator=g)

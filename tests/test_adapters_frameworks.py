@@ -1,7 +1,8 @@
-"""Lightning (strategy="ddp") and the HF Trainer (use_cpu, gloo) under ckptrun: rank 1 is
-SIGKILLed mid-run (in the second epoch, mid-epoch), the job restores from memory, and the
-final weights are bitwise equal to the failure-free run.  Each also runs under plain python
-(in-process snapshots)."""
+"""Lightning (strategy="ddp"), the HF Trainer (use_cpu, gloo) and a plain 🤗 Accelerate loop
+under ckptrun: rank 1 is SIGKILLed mid-run (in the second epoch, mid-epoch), the job restores
+from memory, and the final weights are bitwise equal to the failure-free run -- with rank 0
+restarted, or recovering in its own process under ``@ckptrun.resilient`` (``--in-place``).
+Each also runs under plain python (in-process snapshots)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,41 @@ from adapter_util import SCRIPTS, assert_bitwise, ckptrun_job, of
 pytestmark = pytest.mark.slow
 
 JOBS = {"lightning": ("lightning_train.py", "lightning"),
-        "transformers": ("hf_train.py", "transformers")}
+        "transformers": ("hf_train.py", "transformers"),
+        "accelerate": ("accelerate_train.py", "accelerate")}
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """name -> the failure-free run's final weights (one run per framework)."""
+    got: dict = {}
+
+    def get(name: str) -> dict:
+        if name not in got:
+            path = str(tmp_path_factory.mktemp(name) / "ref.pt")
+            evts = ckptrun_job(os.path.dirname(path) + "/run", JOBS[name][0], "--out", path)
+            assert not of(evts, "restart"), evts
+            got[name] = torch.load(path, weights_only=True)
+        return got[name]
+    return get
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
 @pytest.mark.parametrize("name", sorted(JOBS))
-def test_sigkill_restores_from_memory_bitwise(tmp_path, name):
+def test_sigkill_restores_from_memory_bitwise(tmp_path, references, name, in_place):
     script, module = JOBS[name]
     pytest.importorskip(module)
-    ref, out = str(tmp_path / "ref.pt"), str(tmp_path / "out.pt")
-    evts = ckptrun_job(str(tmp_path / "ref"), script, "--out", ref)
-    assert not of(evts, "restart"), evts
-    evts = ckptrun_job(str(tmp_path / "run"), script, "--out", out, "--crash-at", "9")
+    out = str(tmp_path / "out.pt")
+    evts = ckptrun_job(str(tmp_path / "run"), script, "--out", out, "--crash-at", "9",
+                       *(["--in-place"] if in_place else []))
     assert of(evts, "worker_failed")
+    restarts = of(evts, "restart")
+    # in place: the survivor kept its process, and it took no second restart (a framework
+    # that kept the destroyed group -- accelerate's singletons -- failed the new attempt)
+    assert [r.get("in_place") for r in restarts] == [[0] if in_place else None], restarts
     restored = of(evts, "restored")
     assert restored and restored[0]["tier"] == "memory" and restored[0]["step"] >= 7, evts
-    assert_bitwise(torch.load(ref, weights_only=True), torch.load(out, weights_only=True))
+    assert_bitwise(references(name), torch.load(out, weights_only=True))
 
 
 @pytest.mark.parametrize("name", sorted(JOBS))

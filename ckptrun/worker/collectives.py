@@ -147,3 +147,21 @@ def destroy_groups(timeout_s: float = 10.0) -> bool:
     t.start()
     t.join(timeout_s)
     return not t.is_alive()
+
+
+def forget_framework_groups() -> None:
+    """Clear the process-wide state of frameworks that keep the destroyed group.
+
+    🤗 Accelerate keeps its distributed set-up in singletons (``PartialState``,
+    ``AcceleratorState``, ``GradientState``): an ``Accelerator()`` made in the next attempt
+    would take the old set-up as done and train with no process group.  The HF ``Trainer``
+    resets them itself when its ``TrainingArguments`` are made; a plain accelerate loop does
+    not.  Lightning and DeepSpeed look at ``torch.distributed.is_initialized()``.
+    """
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    with contextlib.suppress(Exception):
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+    with contextlib.suppress(Exception):
+        state.GradientState._reset_state()

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from ckptrun.protocol.env import ENV_HOT_SPARE
 from ckptrun.protocol.recovery import message_path, read_message
-from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups
+from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups, forget_framework_groups
 from ckptrun.worker.heartbeat import RecoveryRequested, recovery_target, worker_link
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -164,6 +164,7 @@ def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
     _abandon_checkpointers()  # (any made after the request was read)
     _breaker.break_all()  # a group created after the request was read
     destroy_groups()
+    forget_framework_groups()
     _breaker.forget()
     block.set(local_rank, "unwound", target)
     # the failed attempt's DDP reducers (a reference cycle), groups and loaders go now --
