@@ -95,7 +95,6 @@ class CkptrunCallback(TrainerCallback):
         self._rng = S.DeferredRNG()
         self._loader: Any = None
         self._skip = 0  # batches still to skip (over epochs) after a restore
-        self._skipped = (0, 0)  # (batches skipped, batches) of the current epoch
         self._epoch = -1
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -131,7 +130,6 @@ class CkptrunCallback(TrainerCallback):
         n = min(self._skip, per_epoch)
         self._loader.skip_batches = n
         self._skip -= n
-        self._skipped = (n, per_epoch)
         if n and n >= per_epoch:  # HF warns that it stops (it does not: on_epoch_end)
             _hf_trainer_log().addFilter(_NO_SAMPLE)
             if getattr(args, "process_index", 0) == 0:
@@ -144,22 +142,27 @@ class CkptrunCallback(TrainerCallback):
         self._rng.apply()  # after the resumed epoch's iterator fetched its first batch
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        n, per_epoch = self._skipped
-        if n and per_epoch:  # HF counts the resumed epoch's batches from the resume point
-            state.epoch = min(float(int(state.epoch) + 1), state.epoch + n / per_epoch)
+        n = self._skipped_now()
+        if n:  # HF counts the resumed epoch's batches from the resume point
+            state.epoch = min(float(int(state.epoch) + 1),
+                              state.epoch + n / len(self._loader))
         if self.ckpt is not None and state.global_step % self.every_n_steps == 0:
             self.ckpt.save(int(state.global_step))
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._loader is not None and getattr(self._loader, "skip_batches", 0) >= len(self._loader):
+        if self._loader is not None and self._skipped_now() >= len(self._loader):
             # An epoch consumed before the snapshot yields no batch; HF then stops training
             # ("not a single sample"): this one was skipped on purpose, go on.
             if state.max_steps <= 0 or state.global_step < state.max_steps:
                 control.should_training_stop = False
         if self._loader is not None and hasattr(self._loader, "skip_batches"):
             self._loader.skip_batches = 0
-        self._skipped = (0, 0)
         _hf_trainer_log().removeFilter(_NO_SAMPLE)
+
+    def _skipped_now(self) -> int:
+        """Batches of the current epoch skipped on resume (the loader's, until its end)."""
+        return int(getattr(self._loader, "skip_batches", 0) or 0) if self._loader is not None \
+            else 0
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is not None:
