@@ -21,10 +21,11 @@ from conftest import SCRIPTS, run_events
 from ckptrun.cli.status import load_status
 
 SCRIPT = os.path.join(SCRIPTS, "e2e_train.py")
-# 8 s of training: the tests wait (at step 10) for a durable step and for every peer to hold
-# a copy before they kill machines, and on a loaded 2-core machine 40 steps (CI once) were
-# over before all of that was reported
-STEPS = 80
+# 10 s of training: the tests wait (at step 10) for a durable step, for every peer to hold
+# a copy and for every agent's pacer to have measured a round's cost before they kill
+# machines; on a loaded 2-core machine 40 steps (CI once) and then 80 (CI, 2026-12-05) were
+# over before all of that was reported (alone: step 10 after 7 s, measured after 9.6 s)
+STEPS = 100
 STEP_TIME = "0.1"
 UNSHARE = shutil.which("unshare")
 
@@ -72,21 +73,28 @@ def machine(tmp_path, name: str, agent_args, out: str, step_time: str = STEP_TIM
     return p
 
 
-def wait_until(pred, timeout: float, what: str, procs=()):
+def wait_until(pred, timeout: float, what, procs=()):
+    """Poll ``pred`` until it is true; fail if a machine of ``procs`` exits first or the
+    time runs out.  ``what`` is a string or a callable giving one (called only on failure,
+    so it can say which part of a compound condition was still unmet)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
         for p in procs:
-            assert p.poll() is None, (f"{what}: a machine exited early ({p.returncode}): "
+            assert p.poll() is None, (f"{_say(what)}: a machine exited early ({p.returncode}): "
                                       + _tail(getattr(p, "log_path", None)))
         time.sleep(0.05)
     # every machine's log tail: a timeout in a loaded full run must be diagnosable from
     # the report alone, since it rarely recurs when the test is run by itself
     paths = [getattr(p, "log_path", None) for p in procs]
     tails = "".join(f"\n--- {path}\n{_tail(path, 2500)}" for path in paths)
-    raise AssertionError(f"timed out waiting for {what}{tails}")
+    raise AssertionError(f"timed out waiting for {_say(what)}{tails}")
+
+
+def _say(what) -> str:
+    return what() if callable(what) else str(what)
 
 
 def _tail(path: Optional[str], n: int = 4000) -> str:

@@ -91,25 +91,46 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
         spares = [machine(tmp_path, n, common + ["--standby"], out, script_args=script_args)
                   for n in "st"[:standbys]]
 
-        def ready() -> bool:
-            return all(any(w.get("step", 0) >= victim_step
-                           for w in status(v.run_dir).get("workers", [])) for v in lost) \
-                and (not persisted or bool(of(procs[0].run_dir, "persisted"))) \
-                and (not replicated or all(
+        unmet: list = []  # the conditions not yet met, for the failure message
+        started = time.monotonic()
+        met_at: dict = {}  # condition -> seconds after the last machine started
+
+        def conditions() -> dict:
+            sts = {v: status(v.run_dir) for v in procs + spares}
+            return {
+                f"victims at step {victim_step}": all(any(
+                    w.get("step", 0) >= victim_step for w in sts[v].get("workers", []))
+                    for v in lost),
+                "a durable step": not persisted or bool(of(procs[0].run_dir, "persisted")),
+                "peers holding the victims' copies": not replicated or all(
                     (cp := peer_copies(v.run_dir)) and all(p["holds_step"] for p in cp)
-                    for v in lost)) \
-                and (not measured or all(
-                    status(v.run_dir).get("checkpoint", {}).get("replication_slowdown")
-                    is not None for v in procs)) \
-                and all(len(status(v.run_dir).get("linked_nodes", [])) == nnodes - 1
-                        for v in procs) \
-                and all(status(s.run_dir).get("standby") and (status(s.run_dir).get(
+                    for v in lost),
+                "every pacer measured": not measured or all(
+                    sts[v].get("checkpoint", {}).get("replication_slowdown") is not None
+                    for v in procs),
+                "every machine linked": all(
+                    len(sts[v].get("linked_nodes", [])) == nnodes - 1 for v in procs),
+                # waiting, warm, holding every machine's copies
+                "standbys ready": all(sts[s].get("standby") and (sts[s].get(
                     "spare_pids") or os.environ.get("CKPTRUN_WARM_SPARES") == "0")
-                    and (not standby_copies or status(s.run_dir).get(
-                        "standby_holds_step") is not None)
-                    for s in spares)  # waiting, warm, holding every machine's copies
-        wait_until(ready, 180, f"the machines to be lost at step {victim_step}",
-                   procs + spares)
+                    and (not standby_copies or sts[s].get("standby_holds_step") is not None)
+                    for s in spares)}
+
+        def ready() -> bool:
+            now = conditions()
+            for name, ok in now.items():
+                if ok:
+                    met_at.setdefault(name, round(time.monotonic() - started, 1))
+            unmet[:] = [name for name, ok in now.items() if not ok]
+            return not unmet
+
+        def waiting_for() -> str:
+            steps = {v.run_dir[-1]: [w.get("step") for w in status(v.run_dir).get(
+                "workers", [])] for v in procs}
+            return (f"the machines to be lost at step {victim_step} (still unmet: {unmet}; "
+                    f"met after: {met_at}; steps: {steps})")
+        wait_until(ready, 180, waiting_for, procs + spares)
+        print(f"\nready; each condition met after (s): {met_at}")
         lost_nodes = sorted(status(v.run_dir)["node"] for v in lost)
         replicated_before = min((status(v.run_dir).get("checkpoint", {}).get("peer_step")
                                  or 0) for v in survivors)
