@@ -147,6 +147,40 @@ def test_kept_workers_are_dropped_when_the_next_attempt_is_older_than_their_targ
     assert agent.kept == {0: b} and agent.launcher.retired == []
 
 
+def test_a_kept_worker_retired_late_may_finish_the_snapshot_it_is_saving(tmp_path):
+    """After a machine loss, a worker asked to unwind that did not by the deadline is
+    retired -- but if it is in the middle of a snapshot it may finish it first, as every
+    worker a restart kills may: otherwise the step it was saving is lost with it."""
+    import threading
+    import types
+
+    from ckptrun.agent.supervisor import Agent
+    from ckptrun.protocol.control import Phase
+
+    a = _FakeWorker(0)
+    a.pid = 1000
+    agent = _fake_agent(tmp_path, [a], attempt=3)
+    agent.cfg = types.SimpleNamespace(shutdown_timeout=5.0)
+    agent._await_copies = types.MethodType(Agent._await_copies, agent)
+    retired_at = []
+    retire = agent.launcher.retire
+    agent.launcher.retire = lambda ws: (retired_at.append(time.monotonic()), retire(ws))
+    agent.control.set(0, "phase", Phase.SAVING)
+    agent.control.set(0, "save_copy_s", 0.5)  # up to 1.1 s of grace
+    agent.kept, agent._kept_target = {0: a}, 3
+    agent._kept_deadline = time.monotonic() - 1  # it never unwound: retired
+    done = threading.Timer(0.3, lambda: (agent.control.set(0, "phase", Phase.RUNNING),
+                                         saved.append(time.monotonic())))
+    saved: list = []
+    done.start()
+    try:
+        agent.settle_kept()
+    finally:
+        done.cancel()
+    assert agent.kept == {} and agent.launcher.retired == [0]
+    assert saved and retired_at[0] >= saved[0], "retired in the middle of its snapshot"
+
+
 @pytest.mark.parametrize("text", ["", "[]", '{"attempt": 3, "env": {}}', "{not json",
                                   '{"attempt": 4, "env": {"LD_PRELOAD": "/tmp/x.so"}}',
                                   '{"attempt": 4, "env": {"MASTER_PORT": 1}}'])
