@@ -169,9 +169,9 @@ def test_a_kept_worker_retired_late_may_finish_the_snapshot_it_is_saving(tmp_pat
     agent.control.set(0, "save_copy_s", 0.5)  # up to 1.1 s of grace
     agent.kept, agent._kept_target = {0: a}, 3
     agent._kept_deadline = time.monotonic() - 1  # it never unwound: retired
+    saved: list = []
     done = threading.Timer(0.3, lambda: (agent.control.set(0, "phase", Phase.RUNNING),
                                          saved.append(time.monotonic())))
-    saved: list = []
     done.start()
     try:
         agent.settle_kept()

@@ -266,11 +266,7 @@ class Agent:
             return
         asked = list(self.kept.values())
         self.kept = await_unwound(asked, self.control, self._kept_target, self._kept_deadline)
-        late = [w for w in asked if w.local_rank not in self.kept]
-        # one that did not unwind in time may be in the middle of a snapshot: let it finish,
-        # as a restart does, or the step it was saving is lost with it
-        self._await_copies(late)
-        self._retire_asked(late)
+        self._retire_asked([w for w in asked if w.local_rank not in self.kept])
 
     def drop_kept(self) -> None:
         """The kept workers cannot go on after all (the job ends, or a new membership gave
@@ -281,6 +277,9 @@ class Agent:
     def _retire_asked(self, workers: List[Worker]) -> None:
         """Retire workers that were asked to unwind but will not go on."""
         if workers:
+            # one that did not unwind in time may be in the middle of a snapshot: let it
+            # finish, as a restart does, or the step it was saving is lost with it
+            self._await_copies(workers)
             self.launcher.retire(workers)
             for w in workers:
                 self.reaper.forget(w.pid)
