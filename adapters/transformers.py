@@ -14,6 +14,13 @@ prepared data loader's public ``skip_batches`` (accelerate's ``DataLoaderShard``
 ``skip_first_batches`` uses for HF's own resume), whole epochs included; the RNG is set again
 after the resumed epoch's iterator was created, exactly where HF's own resume does it.
 
+An evaluation during training leaves the global RNG where the step before it left it (set
+back at ``on_evaluate``).  An evaluation may draw from it -- a new eval loader iterator draws
+its workers' seed, and with persistent workers only the first evaluation of a process makes
+one -- and a resumed run neither repeats the evaluations before the snapshot nor the one of
+the snapshot's own step (taken at ``on_step_end``, before it), so without this the training's
+dropout after a resume would follow another stream than the failure-free run's.
+
 Not captured: the Trainer's private logging accumulators (the first loss logged after a
 resume averages only the steps since the resume).  ``state.epoch`` (a float for logs) is
 corrected for the batches skipped in the resumed epoch, which HF counts from the resume point.
@@ -96,6 +103,7 @@ class CkptrunCallback(TrainerCallback):
         self._loader: Any = None
         self._skip = 0  # batches still to skip (over epochs) after a restore
         self._epoch = -1
+        self._rng_after_step: Optional[Dict[str, Any]] = None  # what an evaluation gets back
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None,
@@ -113,6 +121,7 @@ class CkptrunCallback(TrainerCallback):
                                          persist_every=self.persist_every)
         self._loader = train_dataloader
         self._epoch = -1
+        self._rng_after_step = S.capture_rng()  # eval_on_start evaluates before any step
         self.restored_step = self.ckpt.restore()
         if self.restored_step:
             self._skip = int(state.global_step) * int(args.gradient_accumulation_steps)
@@ -146,8 +155,13 @@ class CkptrunCallback(TrainerCallback):
         if n:  # HF counts the resumed epoch's batches from the resume point
             state.epoch = min(float(int(state.epoch) + 1),
                               state.epoch + n / len(self._loader))
+        self._rng_after_step = S.capture_rng()
         if self.ckpt is not None and state.global_step % self.every_n_steps == 0:
             self.ckpt.save(int(state.global_step))
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ckpt is not None and self._rng_after_step is not None:  # during training only
+            S.restore_rng(self._rng_after_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._loader is not None and self._skipped_now() >= len(self._loader):
@@ -168,3 +182,4 @@ class CkptrunCallback(TrainerCallback):
         if self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None
+        self._rng_after_step = None
