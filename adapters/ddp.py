@@ -66,7 +66,7 @@ def adapt(state: Dict[str, Any], cache: Dict[Any, Any]) -> Dict[str, Any]:
             if inner is not v:
                 out = dict(state) if out is None else out
                 out[k] = inner
-    if modules and LAYOUT_KEY not in state and _distributed():
+    if modules and LAYOUT_KEY not in state and distributed():
         layouts = cache.get(BucketLayouts)
         if layouts is None or layouts.modules != modules:
             layouts = cache[BucketLayouts] = BucketLayouts(modules)
@@ -75,7 +75,8 @@ def adapt(state: Dict[str, Any], cache: Dict[Any, Any]) -> Dict[str, Any]:
     return state if out is None else out
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether this process is one of several ranks of an initialised process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -154,8 +155,9 @@ class BucketLayouts:
     one arms :class:`FirstIterationAsSettled` on the restored process's DDP.
 
     The state may name the DDP wrapper or the model inside it (``Checkpointer({"model":
-    ddp.module})``, as most scripts do); the wrappers of the latter are found once per
-    process, among the live objects, at the first save or restore."""
+    ddp.module})``, as most scripts do, or a framework's module that its own wrapper holds
+    inside DDP); the wrappers of the latter are found once per process, among the live
+    objects, at the first save or restore."""
 
     def __init__(self, modules: Dict[str, torch.nn.Module]) -> None:
         self.modules = modules
@@ -176,7 +178,7 @@ class BucketLayouts:
                     if issubclass(type(obj), ddp_cls):
                         wrapped = unwrap(obj)
                         for k, m in inner.items():
-                            if wrapped is m and found[k] is None:
+                            if found[k] is None and _trains(wrapped, m):
                                 found[k] = obj
             self._ddps = {k: d for k, d in found.items() if d is not None}
         return self._ddps
@@ -197,6 +199,13 @@ class BucketLayouts:
             if key in ddps and layout:
                 self._known[key] = [[int(i) for i in b] for b in layout]
                 give_back_layout(ddps[key], self._known[key])
+
+
+def _trains(wrapped: torch.nn.Module, module: torch.nn.Module) -> bool:
+    """Whether a DDP whose inner module is ``wrapped`` trains ``module``: it is that module,
+    or a framework's wrapper around it (Lightning's DDP wraps the LightningModule in a
+    forwarding module of its own)."""
+    return wrapped is module or any(sub is module for sub in wrapped.children())
 
 
 def give_back_layout(ddp: torch.nn.parallel.DistributedDataParallel,

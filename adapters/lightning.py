@@ -12,8 +12,16 @@ callbacks, the precision plugin (grad scaler), the global RNG states, and the da
 Restored at ``on_fit_start`` (after the strategy set up model and optimizers, before the fit
 loop starts).  The consumed batches of the resumed epoch are skipped at the sampler level,
 before the first batch is fetched (the loader's batch sampler reads its sampler through a
-skip-once wrapper for that epoch); the RNG is set at the first batch start, after the
+skip-once wrapper for that epoch; a loader with workers has its iterator made again, as its
+workers were given indices when Lightning made it); the RNG is set at the first batch start, after the
 loader's iterator exists -- the same point where it was captured.
+
+A validation during the fit leaves the global RNG as the training batch before it left it
+(captured at ``on_train_batch_end``, set back at ``on_validation_end``).  A validation may draw from it --
+a new val loader iterator draws its workers' seed, and with persistent workers only the first
+validation of a process makes one; a resumed fit makes it at another validation than the
+failure-free fit did (it skips the sanity check) -- so without this the training's dropout
+after a resume would follow another stream.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import itertools
 import sys
 from typing import Any, Dict, Iterator, Optional
 
+from ckptrun.adapters import ddp
 from lightning.pytorch.callbacks import Callback
 
 import ckptrun
@@ -109,25 +118,44 @@ class CkptrunCallback(Callback):
         self._rng = S.DeferredRNG()
         self._last = -1
         self._skip: Optional[tuple] = None  # (batch sampler, original sampler) while skipping
+        self._rng_before_val: Optional[Dict[str, Any]] = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        state = {"fit": _FitState(trainer, pl_module, self._data), "rng": self._rng}
+        state: Dict[str, Any] = {"fit": _FitState(trainer, pl_module, self._data),
+                                 "rng": self._rng}
+        if ddp.distributed():
+            # the strategy's DDP wraps the module: its bucket layout makes the first step
+            # after a restore sum the gradients as the run it replaces did (3+ ranks)
+            state[ddp.LAYOUT_KEY] = ddp.BucketLayouts({"model": pl_module})
         self.ckpt = ckptrun.Checkpointer(state, capture_rng=False, persist_to=self.persist_to,
                                          persist_every=self.persist_every)
         self.restored_step = self.ckpt.restore()
         self._last = trainer.global_step if self.restored_step else -1
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        n = self._data["batches"] if self.restored_step else 0
-        if n <= 0:
+        if not self.restored_step:
             return
+        n = self._data["batches"]
         bs = getattr(trainer.train_dataloader, "batch_sampler", None)
-        if bs is None or not hasattr(bs, "sampler") or not hasattr(bs, "batch_size"):
-            print("ckptrun: the train dataloader has no batch sampler; the data position is not "
-                  "restored (the epoch restarts from its first batch)", file=sys.stderr)
-            return
-        self._skip = (bs, bs.sampler)
-        bs.sampler = _SkipOnce(bs.sampler, n * bs.batch_size)
+        if n > 0:
+            if bs is None or not hasattr(bs, "sampler") or not hasattr(bs, "batch_size"):
+                print("ckptrun: the train dataloader has no batch sampler; the data position is "
+                      "not restored (the epoch restarts from its first batch)", file=sys.stderr)
+                return
+            self._skip = (bs, bs.sampler)
+            bs.sampler = _SkipOnce(bs.sampler, n * bs.batch_size)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if getattr(trainer.train_dataloader, "num_workers", 0) and fetcher is not None:
+            # Lightning made the epoch's iterator before this hook (FitLoop.setup_data), and a
+            # loader with workers takes its first batches' indices from the sampler as its
+            # iterator is made: in the order of the sampler's epoch then (Lightning sets the
+            # resumed one after this hook), without the skip.  Made again, it reads them in
+            # the resumed epoch's order through the skipping sampler (persistent workers drop
+            # what they had fetched).
+            sampler = getattr(bs, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(int(self._data["epoch"]))
+            iter(fetcher)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._skip is not None:  # the resumed epoch's iterator has taken what it skips
@@ -139,6 +167,17 @@ class CkptrunCallback(Callback):
             self._data.update(epoch=trainer.current_epoch, batches=batch_idx)
             self.ckpt.save(step)
             self._last = step
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # before a validation's loader makes its iterator (on_validation_start comes after)
+        if self.ckpt is not None and getattr(trainer, "enable_validation", True):
+            self._rng_before_val = S.capture_rng()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._rng_before_val is not None:
+            S.restore_rng(self._rng_before_val)
+            self._rng_before_val = None
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.ckpt is not None:
