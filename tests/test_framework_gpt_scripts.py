@@ -1,0 +1,70 @@
+"""Users' scripts, not ours: a char-level GPT trained with 🤗 Accelerate, the HF Trainer and
+Lightning the way people write them (tests/scripts/gpt_*.py: loader workers that persist and
+prefetch, gradient accumulation, clipping, cosine warm-up schedules, evaluation during
+training -- on the main process only, or every 10 steps with its own persistent workers), at
+3 ranks.  Rank 1 is SIGKILLed and the final weights must be bitwise equal to the
+failure-free run's, with every rank restarted or with the survivors in their processes.
+
+The failure points are the ones that broke exactness before (each case fails without its
+fix): a restore at an evaluation's step and evaluations whose loader makes its iterator (a
+draw from the global RNG) in one process and not in the other; a Lightning loader with
+workers, whose iterator Lightning makes before the callback can skip the consumed batches or
+set the resumed epoch; DDP's bucket layout behind Lightning's module wrapper (3 ranks sum
+differently in another layout)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from adapter_util import assert_bitwise, ckptrun_job, of
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+JOBS = {"accelerate": ("gpt_accelerate.py", "accelerate"),
+        "transformers": ("gpt_hf_trainer.py", "transformers"),
+        "lightning": ("gpt_lightning.py", "lightning")}
+
+
+def _job(tmp, name: str, *args: str) -> list:
+    script, module = JOBS[name]
+    pytest.importorskip(module)
+    extra = ["--output-dir", str(tmp / "hf-out")] if name == "transformers" else []
+    return ckptrun_job(str(tmp / "run"), os.path.join(HERE, script), "--out",
+                       str(tmp / "out.pt"), *extra, *args, nproc=3)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """name -> the failure-free run's final weights (one run per framework)."""
+    got: dict = {}
+
+    def get(name: str) -> dict:
+        if name not in got:
+            tmp = tmp_path_factory.mktemp(f"ref-{name}")
+            assert not of(_job(tmp, name), "restart")
+            got[name] = torch.load(tmp / "out.pt", weights_only=True)
+        return got[name]
+    return get
+
+
+@pytest.mark.parametrize("name,crash_at,in_place", [
+    ("accelerate", 12, True),
+    # restored at step 10 or 11: the resumed run's first evaluation is step 20's (the
+    # snapshot of step 10 is taken before its evaluation), where its eval loader's persistent
+    # workers make their iterator -- the failure-free run made it at step 10
+    ("transformers", 11, False),
+    ("transformers", 19, True),  # the first step of the second epoch
+    ("lightning", 19, False),  # the first batch of the second epoch
+    ("lightning", 21, True),  # mid second epoch, a validation after the restore
+], ids=lambda v: str(v))
+def test_a_users_gpt_script_resumes_bitwise(tmp_path, references, name, crash_at, in_place):
+    evts = _job(tmp_path, name, "--crash-at", str(crash_at), *(["--in-place"] if in_place else []))
+    restarts = of(evts, "restart")
+    assert [r.get("in_place") for r in restarts] == [[0, 2] if in_place else None], restarts
+    restored = of(evts, "restored")
+    assert restored and restored[0]["tier"] == "memory" \
+        and crash_at - 2 <= restored[0]["step"] <= crash_at, restored
+    assert_bitwise(references(name), torch.load(tmp_path / "out.pt", weights_only=True))
