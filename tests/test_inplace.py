@@ -236,7 +236,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,fault,rank", [
-    (2, "--crash-at", 1), (3, "--crash-at", 0), (4, "--crash-at", 2),
+    (2, "--crash-at", 1), (3, "--crash-at", 0), (4, "--crash-at", 2), (8, "--crash-at", 5),
     (3, "--hang-at", 2), (3, "--raise-at", 1)])
 def test_survivors_recover_in_their_own_process_and_lose_nothing(tmp_path, references, nproc,
                                                                 fault, rank):
