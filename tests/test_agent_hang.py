@@ -22,9 +22,13 @@ def test_sigstop_hang_detected_dumped_restarted(tmp_path, ckptrun_run):
     hangs = of(evts, "hang_detected")
     assert [e["rank"] for e in hangs] == [1], evts  # rank 0 only waits on rank 1
     assert all(e["seconds_silent"] >= 2 for e in hangs), evts
-    dumps = {e["path"] for e in of(evts, "stacks_dumped")}
+    dumps = {e["path"]: e["rank"] for e in of(evts, "stacks_dumped")}
     path = os.path.join(run_dir, "stacks", "attempt_0-rank1.txt")
-    assert path in dumps, evts
+    assert dumps.get(path) == 1, evts
+    # both ranks' stacks are dumped (rank 0 waits in a collective), said in one line
+    said = [line for line in p.stderr.splitlines() if "stacks of the hung" in line]
+    assert said == [f"ckptrun: stacks of the hung workers (ranks 0-1) are in "
+                    f"{os.path.join(run_dir, 'stacks', 'attempt_0-rank*.txt')}"], said
     text = open(path).read()
     assert "agent_train.py" in text and "in main" in text, text
     assert [e["attempt"] for e in of(evts, "restart")] == [1]

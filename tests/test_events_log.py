@@ -14,6 +14,7 @@ from ckptrun.agent.events import (
     EVENTS_FILE,
     EventLog,
     describe,
+    rank_ranges,
     read_events,
     read_json,
     write_json_atomic,
@@ -147,6 +148,24 @@ def test_failures_and_recoveries_are_echoed_one_line_each(tmp_path):
                      "restored step 25 from memory in 21.3 ms",
                      "persisting step 40 failed: disk full"]
     assert len(read_events(str(tmp_path))) == 9  # everything is in the log
+
+
+def test_events_of_a_group_are_logged_each_and_said_once(tmp_path):
+    lines: list = []
+    log = EventLog(str(tmp_path), echo=lines.append)
+    for r in range(3):
+        log.emit("stacks_dumped", say=False, path=f"/r/s-rank{r}.txt", rank=r)
+    log.say("stacks of the hung workers (ranks 0-2) are in /r/s-rank*.txt")
+    assert lines == ["stacks of the hung workers (ranks 0-2) are in /r/s-rank*.txt"]
+    assert [e["rank"] for e in read_events(str(tmp_path))] == [0, 1, 2]
+    EventLog(str(tmp_path)).say("nothing echoes this")  # a log without echo says nothing
+
+
+@pytest.mark.parametrize("ranks, text", [
+    ([], ""), ([3], "3"), ([0, 1, 2, 3, 5, 7, 6], "0-3, 5-7"), ([4, 0, 2], "0, 2, 4"),
+    ([1, 1, 2], "1-2")])
+def test_rank_ranges(ranks, text):
+    assert rank_ranges(ranks) == text
 
 
 @pytest.mark.parametrize("event, fields, text", [

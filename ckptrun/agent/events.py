@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 EVENTS_FILE = "events.jsonl"
 STATUS_FILE = "status.json"
@@ -58,11 +58,12 @@ class EventLog:
             self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600
         )
 
-    def emit(self, event: str, **fields: Any) -> Dict[str, Any]:
+    def emit(self, event: str, *, say: bool = True, **fields: Any) -> Dict[str, Any]:
         """Append one event and return the record written.
 
         ``time`` and ``event`` come first; ``fields`` may not override them. Values that
         JSON cannot encode are written with ``str()`` so that logging never raises.
+        ``say=False``: not echoed (the caller says one line for a group of events).
         """
         record: Dict[str, Any] = {"time": time.time(), "event": event}
         for key, value in fields.items():
@@ -77,7 +78,7 @@ class EventLog:
             # next record does not glue onto a torn one.
             while written < len(line):
                 written += os.write(self._fd, line[written:])
-        text = describe(record) if self.echo is not None else None
+        text = describe(record) if self.echo is not None and say else None
         if text:
             self.echo(text)
         if self.forward_to != "null":
@@ -88,6 +89,11 @@ class EventLog:
             except Exception as exc:  # noqa: BLE001
                 print(f"ckptrun: warning: event listener failed: {exc}", file=sys.stderr)
         return record
+
+    def say(self, text: str) -> None:
+        """Echo one line to the person watching (as for an event), if this log echoes."""
+        if self.echo is not None:
+            self.echo(text)
 
     def close(self) -> None:
         """Close the descriptor; further ``emit`` calls raise ``ValueError``."""
@@ -161,6 +167,20 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
     if kind == "finished" and e.get("exit_code"):
         return f"the job failed (exit code {e['exit_code']})"
     return None
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 5, 7, 6]`` -> ``"0-3, 5-7"``: ranks in a line a person reads."""
+    out: List[str] = []
+    run: List[int] = []
+    for r in sorted(set(ranks)):
+        if run and r != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(r)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
 
 
 def _forward(record: Dict[str, Any], destination: str) -> None:

@@ -27,7 +27,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
 from ckptrun.agent.downtime import RecoveryClock
-from ckptrun.agent.events import EventLog, ensure_run_dir, read_json, to_stderr, write_json_atomic
+from ckptrun.agent.events import (
+    EventLog,
+    ensure_run_dir,
+    rank_ranges,
+    read_json,
+    to_stderr,
+    write_json_atomic,
+)
 from ckptrun.agent.failure_summary import Exit, failure_summary
 from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
 from ckptrun.agent.inplace import (
@@ -619,10 +626,22 @@ class Agent:
                              step=rec["step"], overhead=round(rec["snapshot_overhead"], 4))
 
     def _dump_stacks(self) -> None:
-        targets = [(w.pid, w.bootstrapped, p, p) for w in self.workers if w.proc.poll() is None
-                   for p in [stacks_path(self.run_dir, self.epoch.attempt, w.global_rank)]]
-        for path in dump_stacks(targets):
-            self.events.emit("stacks_dumped", path=path)
+        """One ``stacks_dumped`` event per rank whose stacks were written; one line said for
+        all of them (eight ranks made eight lines naming the same folder)."""
+        rank_of = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w
+                   for w in self.workers if w.proc.poll() is None}
+        paths = dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in rank_of.items()])
+        for path in paths:
+            self.events.emit("stacks_dumped", say=False, path=path,
+                             rank=rank_of[path].global_rank)
+        if len(paths) == 1:
+            self.events.say(f"stacks of the hung worker are in {paths[0]}")
+        elif paths:
+            ranks = [rank_of[p].global_rank for p in paths]
+            where = os.path.join(os.path.dirname(paths[0]),
+                                 f"attempt_{self.epoch.attempt}-rank*.txt")
+            self.events.say(f"stacks of the hung workers (ranks {rank_ranges(ranks)}) "
+                            f"are in {where}")
 
     def _write_status(self, force: bool = False) -> None:
         now = time.monotonic()
