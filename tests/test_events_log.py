@@ -182,6 +182,9 @@ def test_rank_ranges(ranks, text):
     ("replication_refused", {"peer": "127.0.0.1:5"},
      "refused a replication connection without the job's secret from 127.0.0.1:5"),
     ("finished", {"exit_code": 1}, "the job failed (exit code 1)"),
+    ("finished", {"exit_code": 1, "signal": "SIGTERM"},
+     "stopped by SIGTERM (exit code 1): the same command run again resumes from the newest "
+     "persisted step"),
     ("finished", {"exit_code": 0}, None),
     ("start", {"nnodes": 1}, None),
 ])

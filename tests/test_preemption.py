@@ -69,6 +69,10 @@ def test_preempted_job_resumes_from_its_newest_step(tmp_path, sig, reference):
     persisted = [e for e in evts if e["event"] == "persisted"]
     assert persisted and persisted[-1]["step"] >= 15, evts
     newest = persisted[-1]["step"]
+    # a preemption is said as what it is, not as a failed job
+    assert [e.get("signal") for e in evts if e["event"] == "finished"] == [sig.name], evts
+    assert f"ckptrun: stopped by {sig.name} (exit code 1)" in err and "job failed" not in err, \
+        err[-3000:]
 
     again = subprocess.run(ckptrun(TRAIN, *ARGS), cwd=work, capture_output=True, text=True,
                            timeout=240)

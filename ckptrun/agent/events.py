@@ -164,6 +164,9 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
         return f"persisting step {e.get('step')} failed: {e.get('error')}"
     if kind == "replication_refused":
         return f"refused a replication connection without the job's secret from {e.get('peer')}"
+    if kind == "finished" and e.get("signal"):  # preempted: not a failure of the job
+        return (f"stopped by {e['signal']} (exit code {e.get('exit_code')}): the same command "
+                "run again resumes from the newest persisted step")
     if kind == "finished" and e.get("exit_code"):
         return f"the job failed (exit code {e['exit_code']})"
     return None

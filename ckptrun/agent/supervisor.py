@@ -708,7 +708,8 @@ class Agent:
             self.state = "succeeded" if code == 0 else "failed"
             with contextlib.suppress(Exception):
                 self._write_status(force=True)
-            self.events.emit("finished", exit_code=code)
+            self.events.emit("finished", exit_code=code, **(
+                {"signal": signal.Signals(self.stopped_by).name} if self.stopped_by else {}))
             if self.metrics_server is not None:
                 self.metrics_server.close()
             if code == 1 and self.stopped_by is None and self.exits:
