@@ -17,29 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
+from char_corpus import BLOCK, Chunks, chars, data, n
 
 import ckptrun
 
-TEXT = ("the quick brown fox jumps over the lazy dog. " * 400
-        + "pack my box with five dozen liquor jugs. " * 300)
-chars = sorted(set(TEXT))
-stoi = {c: i for i, c in enumerate(chars)}
-data = torch.tensor([stoi[c] for c in TEXT])
-n = int(0.9 * len(data))
 train_data, val_data = data[:n], data[n:]
-BLOCK = 32
-
-
-class Chunks(torch.utils.data.Dataset):
-    def __init__(self, d):
-        self.d = d
-
-    def __len__(self):
-        return (len(self.d) - 1) // BLOCK
-
-    def __getitem__(self, i):
-        s = self.d[i * BLOCK:(i + 1) * BLOCK + 1]
-        return s[:-1], s[1:]
 
 
 class Block(nn.Module):

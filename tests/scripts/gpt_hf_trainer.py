@@ -12,26 +12,15 @@ import os
 import signal
 
 import torch
+from char_corpus import BLOCK, Chunks, chars, data, n
 from ckptrun.adapters.transformers import CkptrunCallback
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import ckptrun
 
-TEXT = ("the quick brown fox jumps over the lazy dog. " * 400
-        + "pack my box with five dozen liquor jugs. " * 300)
-chars = sorted(set(TEXT))
-stoi = {c: i for i, c in enumerate(chars)}
-data = torch.tensor([stoi[c] for c in TEXT])
-n = int(0.9 * len(data))
-BLOCK = 32
 
-
-class Chunks(torch.utils.data.Dataset):
-    def __init__(self, d, limit=None):
-        self.d, self.n = d, (len(d) - 1) // BLOCK if limit is None else limit
-
-    def __len__(self):
-        return self.n
+class LMChunks(Chunks):
+    """The corpus's chunks as the Trainer wants them: input ids, labels (shifted inside)."""
 
     def __getitem__(self, i):
         s = self.d[i * BLOCK:(i + 1) * BLOCK]
@@ -62,8 +51,8 @@ def train(a):
         eval_strategy="steps", eval_steps=10, logging_steps=5, save_strategy="no",
         dataloader_num_workers=2, dataloader_persistent_workers=True,
         dataloader_prefetch_factor=4, seed=1337, report_to=[], disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Chunks(data[:n]),
-                      eval_dataset=Chunks(data[n:], limit=24),
+    trainer = Trainer(model=model, args=args, train_dataset=LMChunks(data[:n]),
+                      eval_dataset=LMChunks(data[n:], limit=24),
                       callbacks=[CkptrunCallback(), Crash(a.crash_at)])
     trainer.train()
     if a.out and trainer.is_world_process_zero():

@@ -16,30 +16,11 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from char_corpus import BLOCK, Chunks, chars, data, n
 from ckptrun.adapters.lightning import CkptrunCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 import ckptrun
-
-TEXT = ("the quick brown fox jumps over the lazy dog. " * 400
-        + "pack my box with five dozen liquor jugs. " * 300)
-chars = sorted(set(TEXT))
-stoi = {c: i for i, c in enumerate(chars)}
-data = torch.tensor([stoi[c] for c in TEXT])
-n = int(0.9 * len(data))
-BLOCK = 32
-
-
-class Chunks(torch.utils.data.Dataset):
-    def __init__(self, d, limit=None):
-        self.d, self.n = d, (len(d) - 1) // BLOCK if limit is None else limit
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        s = self.d[i * BLOCK:(i + 1) * BLOCK + 1]
-        return s[:-1], s[1:]
 
 
 class GPT(L.LightningModule):
