@@ -119,7 +119,7 @@ class TrainState:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--crash-at", type=int, default=-1)
     p.add_argument("--in-place", action="store_true")
     p.add_argument("--out", default="")
@@ -142,7 +142,7 @@ def train(a: argparse.Namespace) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / a.steps))))
     sampler = torch.utils.data.distributed.DistributedSampler(
-        Tokens(64 * world, 16, vocab), num_replicas=world, rank=rank, shuffle=True, seed=7)
+        Tokens(32 * world, 16, vocab), num_replicas=world, rank=rank, shuffle=True, seed=7)
     loader = StatefulDataLoader(sampler.dataset, batch_size=4, sampler=sampler, num_workers=2,
                                 persistent_workers=True)
     state = TrainState()
