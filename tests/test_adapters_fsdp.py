@@ -1,7 +1,11 @@
 """FSDP2 (fully_shard, gloo on CPU) through ``Checkpointer``: sharded snapshots restored from
-memory bitwise after a SIGKILL, and from storage at another world size (resharding)."""
+memory bitwise after a SIGKILL, and from storage at another world size (resharding); exported
+with ``ckptrun restore --format torch`` as whole tensors a plain model loads."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,3 +44,15 @@ def test_fsdp2_storage_reshards_4_to_2_and_plain_dcp_load(tmp_path):
     sd = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}}
     dcp.load(sd, checkpoint_id=f"{store}/step-3")
     assert_bitwise(saved["model"], sd["model"])
+    # ckptrun restore --format torch: "full" holds the whole tensors, assembled from 4 shards
+    exported = tmp_path / "export.pt"
+    proc = subprocess.run([sys.executable, "-m", "ckptrun.cli", "restore", "--from", store,
+                           "--step", "3", "--to", str(exported), "--format", "torch"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    full = torch.load(exported, weights_only=True)["full"]
+    assert_bitwise(saved["model"], full["model"])
+    assert_bitwise(saved["optim"], full["optim"]["state"])
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(33, 5))
+    plain.load_state_dict(full["model"])

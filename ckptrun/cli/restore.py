@@ -10,7 +10,11 @@ Sources: a run directory (its live memory tier -- the slot files named in ``stat
 ``slots`` -- and its durable tier ``persist_to``) or a durable URL (``--from``: a persist
 root, a ``step-<N>`` directory or an earlier export).  ``--format torch`` writes one file
 loadable with ``torch.load(path, weights_only=True)``: ``{"step", "world_size", "ranks":
-{rank: nested state}}`` where numpy arrays became tensors and numpy scalars Python numbers.
+{rank: nested state}, "full": nested state}`` where numpy arrays became tensors and numpy
+scalars Python numbers.  ``full`` is the state as one unsharded process would hold it: rank
+0's, with every DTensor (FSDP2) shard assembled whole from all ranks' shards, so
+``model.load_state_dict(export["full"]["model"])`` loads an FSDP2 job's weights into a plain
+model (the unsharded tensors are rank 0's objects: ``torch.save`` stores them once).
 Errors are one line on stderr, exit code 2.
 """
 
@@ -190,10 +194,15 @@ def export(step: int, world: int, snaps: Dict[int, Snapshot], to_url: str, fmt: 
     import torch
 
     from ckptrun.snapshot import unflatten
+    from ckptrun.snapshot.shards import whole_tensors
 
     ranks = {r: weights_only_safe(unflatten(m["tree"], ts)) for r, (m, ts) in snaps.items()}
+    try:
+        full = weights_only_safe(unflatten(snaps[min(snaps)][0]["tree"], whole_tensors(snaps)))
+    except (KeyError, ValueError) as e:
+        raise RestoreError(f"step {step}: the ranks' shards do not make whole tensors: {e}") from e
     with fsspec.open(to_url, "wb", auto_mkdir=True) as f:
-        torch.save({"step": step, "world_size": world, "ranks": ranks}, f)
+        torch.save({"step": step, "world_size": world, "ranks": ranks, "full": full}, f)
         return f.tell()
 
 
@@ -284,6 +293,8 @@ def _export(src: Source, entries, step, to_url, fmt, as_json) -> None:
         bar.update(task, description=f"writing {to_url}")
         try:
             nbytes = export(entry["step"], world, snaps, to_url, fmt)
+        except RestoreError:
+            raise
         except Exception as e:  # noqa: BLE001 -- any storage error is one line for the user
             raise RestoreError(f"cannot write {to_url}: {type(e).__name__}: {e}") from e
     res = {"step": entry["step"], "to": to_url, "format": fmt, "bytes": nbytes,

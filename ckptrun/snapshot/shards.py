@@ -214,3 +214,27 @@ def dcp_metadata(ranks: Dict[str, Any], dtype: Callable[[str], torch.dtype],
                                        storage_data=storage_info(e["file"], e["offset"], e["length"])))
             files[e["file"]] = max(files.get(e["file"], 0), e["offset"] + e["length"])
     return md.Metadata(state_dict_metadata=sd_md, planner_data=planner_data), results, files
+
+
+def whole_tensors(snapshots: Dict[int, Tuple[Dict[str, Any], List[torch.Tensor]]]
+                  ) -> List[torch.Tensor]:
+    """The lowest rank's tensors of ``{rank: (meta, tensors)}`` with every DTensor shard
+    replaced by its whole tensor, assembled from the shards of all ranks (replicated chunks
+    are read once); unsharded tensors are the same objects.  ``ValueError`` if the ranks'
+    shards do not cover a tensor."""
+    pieces: Dict[str, List[Dict[str, Any]]] = {}
+    for meta, tensors in snapshots.values():
+        for d, t in zip(meta["tensors"], tensors):
+            if is_sharded(d):
+                pieces.setdefault(d["path"], []).append(
+                    {"chunk_offset": list(d["global_offset"]), "shape": list(t.shape), "t": t})
+    meta, tensors = snapshots[min(snapshots)]
+    out = []
+    for d, t in zip(meta["tensors"], tensors):
+        if not is_sharded(d):
+            out.append(t)
+            continue
+        shape = list(d["global_shape"])
+        out.append(assemble([0] * len(shape), shape, t.dtype, pieces[d["path"]],
+                            lambda e: e["t"], d["path"]))
+    return out
