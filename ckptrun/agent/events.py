@@ -174,16 +174,13 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
 
 def rank_ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 3, 5, 7, 6]`` -> ``"0-3, 5-7"``: ranks in a line a person reads."""
-    out: List[str] = []
-    run: List[int] = []
+    runs: List[List[int]] = []
     for r in sorted(set(ranks)):
-        if run and r != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(r)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in runs)
 
 
 def _forward(record: Dict[str, Any], destination: str) -> None:

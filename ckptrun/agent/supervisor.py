@@ -628,16 +628,16 @@ class Agent:
     def _dump_stacks(self) -> None:
         """One ``stacks_dumped`` event per rank whose stacks were written; one line said for
         all of them (eight ranks made eight lines naming the same folder)."""
-        rank_of = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w
+        worker_at = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w
                    for w in self.workers if w.proc.poll() is None}
-        paths = dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in rank_of.items()])
+        paths = dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in worker_at.items()])
         for path in paths:
             self.events.emit("stacks_dumped", say=False, path=path,
-                             rank=rank_of[path].global_rank)
+                             rank=worker_at[path].global_rank)
         if len(paths) == 1:
             self.events.say(f"stacks of the hung worker are in {paths[0]}")
         elif paths:
-            ranks = [rank_of[p].global_rank for p in paths]
+            ranks = [worker_at[p].global_rank for p in paths]
             where = os.path.join(os.path.dirname(paths[0]),
                                  f"attempt_{self.epoch.attempt}-rank*.txt")
             self.events.say(f"stacks of the hung workers (ranks {rank_ranges(ranks)}) "
