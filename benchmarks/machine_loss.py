@@ -28,6 +28,7 @@ agent breaks (``ckptrun.agent.links``): "detection" is part of the recovery time
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -37,6 +38,7 @@ from typing import Dict, List, Optional, Tuple
 from benchmarks import Context, Row, section
 from benchmarks.jobrun import read_logs
 from benchmarks.machines import Machine, namespace_problem, replacement, start_job, teardown
+from ckptrun.tiers.peer.tier import COLD_ROUNDS
 
 TARGET = "restored from peer memory, 0 steps lost"
 COLUMNS = [("case", "case", "str"), ("failure", "failure", "str"),
@@ -96,8 +98,10 @@ def _node_steps(m: Machine) -> Tuple[int, Optional[int]]:
 
 def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
            max_wait_s: float, standby: Optional[Machine] = None) -> bool:
-    """Both machines trained ``min_train_s``, replicated at least once, and the survivor's
-    warm spares (and the standby's) are up (or ``max_wait_s`` passed: the sample says so)."""
+    """Both machines trained ``min_train_s``, finished their cold replication rounds (the
+    first ones fill new copy files page by page and take seconds: a loss then measures the
+    job's first seconds, not its steady state), and the survivor's warm spares (and the
+    standby's) are up (or ``max_wait_s`` passed: the sample says so)."""
     from benchmarks.recovery import spares_warm
 
     if since is None or time.monotonic() - since < min_train_s:
@@ -105,7 +109,8 @@ def _ready(machines: List[Machine], since: Optional[float], min_train_s: float,
     if standby is not None and not (standby.status().get("standby")
                                     and standby.status().get("spare_pids")):
         return time.monotonic() - since > max_wait_s
-    if any(_node_steps(m)[1] is None for m in machines):
+    if any((m.status().get("checkpoint", {}).get("replication_rounds") or 0) <= COLD_ROUNDS
+           for m in machines):
         return time.monotonic() - since > max_wait_s
     return spares_warm(machines[0].run_dir, 1) or time.monotonic() - since > max_wait_s
 
@@ -145,6 +150,10 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
             if r is not None and (not rounds or rounds[-1] != r):
                 rounds.append(float(r))
             time.sleep(0.1)
+        # at a random phase of a round: the readiness above is seen just after a round ends,
+        # where the peer's copy is as new as it gets
+        last = lost.status().get("checkpoint", {}).get("replication_round_s")
+        time.sleep(random.uniform(0.0, float(last or 0.0)))
         newest, held = _node_steps(lost)
         lost_node = lost.status().get("node")
         t_fail = lost.power_off()
