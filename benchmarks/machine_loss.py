@@ -146,8 +146,10 @@ def run_once(mb: int, step_s: float, root: str, private_shm: bool,
             if since is None and os.path.exists(os.path.join(work, "steps",
                                                              "rank0-attempt0.jsonl")):
                 since = time.monotonic()
-            r = lost.status().get("checkpoint", {}).get("replication_round_s")
-            if r is not None and (not rounds or rounds[-1] != r):
+            cp = lost.status().get("checkpoint", {})
+            r = cp.get("replication_round_s")  # the warm rounds: what the lag is made of
+            if r is not None and (cp.get("replication_rounds") or 0) > COLD_ROUNDS \
+                    and (not rounds or rounds[-1] != r):
                 rounds.append(float(r))
             time.sleep(0.1)
         # at a random phase of a round: the readiness above is seen just after a round ends,
