@@ -4,8 +4,9 @@ prefetch, gradient accumulation, clipping, cosine warm-up schedules, evaluation 
 training -- on the main process only, or every 10 steps with its own persistent workers), and
 a Llama trained the way torchtitan's trainer does it (tests/scripts/titan_style.py: blocks
 ``torch.compile``d and sharded with FSDP2, a torchdata ``StatefulDataLoader`` with workers,
-a train-state object), at 3 ranks.  Rank 1 is SIGKILLed and the final weights must be bitwise equal to the
-failure-free run's, with every rank restarted or with the survivors in their processes.
+a train-state object), at 3 ranks.  Rank 1 is SIGKILLed and the final weights must be
+bitwise equal to the failure-free run's, with every rank restarted or with the survivors in
+their processes.
 
 The failure points are the ones that broke exactness before (each case fails without its
 fix): a restore at an evaluation's step and evaluations whose loader makes its iterator (a

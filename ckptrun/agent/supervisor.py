@@ -629,7 +629,7 @@ class Agent:
         """One ``stacks_dumped`` event per rank whose stacks were written; one line said for
         all of them (eight ranks made eight lines naming the same folder)."""
         worker_at = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w
-                   for w in self.workers if w.proc.poll() is None}
+                     for w in self.workers if w.proc.poll() is None}
         paths = dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in worker_at.items()])
         for path in paths:
             self.events.emit("stacks_dumped", say=False, path=path,

@@ -4,13 +4,14 @@ What it has that a user brings from torchtitan: a small Llama (RMSNorm, rotary e
 SwiGLU) with each transformer block ``torch.compile``d and sharded with FSDP2's ``fully_shard``,
 a ``torchdata`` ``StatefulDataLoader`` with loader workers (its position is in the snapshot
 through its own ``state_dict``), a warm-up/decay ``LambdaLR``, gradient clipping over the
-sharded gradients, and a ``TrainState`` object (step, the losses it logged) saved through
-``state_dict``/``load_state_dict``.
+sharded gradients, and a ``TrainState`` object (step, epoch, the losses it logged) saved
+through ``state_dict``/``load_state_dict``.
 
 ``--steps N``; ``--crash-at K`` SIGKILLs rank 1 after step K in the first attempt;
-``--in-place`` runs the training under ``@ckptrun.resilient``; ``--out F``: rank 0 writes the full model, the optimizer state and the
-logged losses with ``torch.save``, and how many Python frames ``torch.compile`` compiled in
-its last call of the training function (a survivor that recovered in place keeps its code).
+``--in-place`` runs the training under ``@ckptrun.resilient``; ``--out F``: rank 0 writes
+the full model, the optimizer state and the logged losses with ``torch.save``, and how many
+Python frames ``torch.compile`` compiled in its last call of the training function (a
+survivor that recovered in place keeps its code).
 """
 
 from __future__ import annotations
