@@ -7,9 +7,10 @@ line in ``_BUILTIN``).
 
 Two kinds of adapters:
 
-* *state adapters* (``deepspeed``, ``ddp``, ``fsdp``) rewrite entries of a ``Checkpointer`` state dict into
-  objects that snapshot the right thing (a DDP wrapper's inner module; an FSDP2 model and its
-  optimizers through ``torch.distributed.checkpoint.state_dict``).  ``Checkpointer`` applies
+* *state adapters* (``deepspeed``, ``ddp``, ``fsdp``, ``dataloader``) rewrite entries of a
+  ``Checkpointer`` state dict into objects that snapshot the right thing (a DDP wrapper's inner
+  module; an FSDP2 model and its optimizers through ``torch.distributed.checkpoint.state_dict``;
+  a torchdata ``StatefulDataLoader`` restored without drawing from the restored RNG).  ``Checkpointer`` applies
   them by itself; a state adapter module defines ``adapt(state, cache) -> dict``.
 * *framework adapters* (``lightning``, ``transformers``) are callbacks the user adds to the
   framework's trainer; they build a ``Checkpointer`` themselves.
@@ -29,6 +30,7 @@ _BUILTIN: Dict[str, tuple] = {
     "deepspeed": ("ckptrun.adapters.deepspeed", True),
     "ddp": ("ckptrun.adapters.ddp", True),
     "fsdp": ("ckptrun.adapters.fsdp", True),
+    "dataloader": ("ckptrun.adapters.dataloader", True),
     "lightning": ("ckptrun.adapters.lightning", False),
     "transformers": ("ckptrun.adapters.transformers", False),
 }

@@ -101,6 +101,11 @@ def check_main(argv: List[str]) -> int:
     return 0 if result["exact"] else 1
 
 
+# what a dataset with random transforms needs (docs/exact.md, section 4)
+_WORKER_RNG = ("keep torch.get_rng_state() in the dataset's state_dict() under torchdata's "
+               "StatefulDataLoader, or draw from a generator seeded by epoch and index")
+
+
 def _hint(result: dict, restored: int, nd_step: Optional[int], nd_entries: List[str],
           paths: Dict[str, List[str]], warnings: List[str]) -> str:
     if nd_step is not None:
@@ -118,14 +123,16 @@ def _hint(result: dict, restored: int, nd_step: Optional[int], nd_entries: List[
             f"({', '.join(entries)}): the step read state that the snapshot did not hold -- "
             "a batch fetched before save() (give it as ckpt.save(step, batch=(X, Y)) and "
             "read it back with ckpt.get('batch')), a number the loop rebinds (give it as "
-            "ckpt.save(step, name=value)), or a data iterator's position (register a "
-            "stateful loader or sampler)")
+            "ckpt.save(step, name=value)), a data iterator's position (register a "
+            "stateful loader or sampler), or random transforms in data-loader workers (a "
+            "restore reseeds the workers' RNG: " + _WORKER_RNG + ")")
     else:
         parts.append(
             f"steps {restored + 1}..{step - 1} after the restore matched, step {step} does "
             f"not ({', '.join(entries)}): state that matters only later was not restored -- a "
             "counter or schedule the loop keeps outside the Checkpointer, a data iterator's "
-            "position, or a number the loop rebinds (give it at save time)")
+            "position, a number the loop rebinds (give it at save time), or random transforms "
+            "in data-loader workers (" + _WORKER_RNG + ")")
     return "; ".join(parts)
 
 
