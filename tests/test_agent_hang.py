@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+import psutil
 from conftest import SCRIPTS, job_shm_files, run_events
 
 TRAIN = os.path.join(SCRIPTS, "agent_train.py")
@@ -37,6 +39,27 @@ def test_sigstop_hang_detected_dumped_restarted(tmp_path, ckptrun_run):
     names = [e["event"] for e in evts]
     assert names.index("hang_detected") < names.index("stacks_dumped") < names.index("restart")
     assert not job_shm_files(run_dir)
+
+
+def test_a_rank_waiting_on_its_stopped_child_is_the_one_named(tmp_path, ckptrun_run):
+    """Rank 1 waits for a batch from a process it started (a data-loader worker) that is
+    stopped; rank 0 waits for rank 1 in the next all-reduce.  Both samplers run: without
+    looking at their children this is a deadlock of every rank."""
+    run_dir, marks = str(tmp_path / "run"), str(tmp_path / "marks")
+    p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--hang-timeout", "2",
+                    "--run-dir", run_dir, TRAIN, "--steps", "6", "--child-hang-at", "3",
+                    "--marks", marks)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evts = run_events(run_dir)
+    child = [json.loads(line) for line in open(marks) if '"child"' in line][0]["pid"]
+    hangs = of(evts, "hang_detected")
+    assert [(e["rank"], e["why"], e["child_pid"]) for e in hangs] == \
+        [(1, "child_stopped", child)], hangs
+    assert f"rank 1 waiting on process {child}, which it started and which is stopped" \
+        in p.stderr, p.stderr[-3000:]
+    assert not psutil.pid_exists(child)  # stopped, it was killed with its rank
+    assert [e["attempt"] for e in of(evts, "restart")] == [1]
+    assert of(evts, "finished")[-1]["exit_code"] == 0
 
 
 def test_script_without_heartbeat_is_never_hung(tmp_path, ckptrun_run):

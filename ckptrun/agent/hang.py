@@ -7,7 +7,9 @@ sampler (``ckptrun.worker.progress``) writes into the control block when its mai
 last advanced and when it last sampled at all; other nodes' progress arrives through
 :class:`ckptrun.agent.membership.Liveness`.  A verdict names the ranks whose sampler went
 silent (stopped processes), not the ones waiting; when every rank is alive and none moves
-(a deadlock) it names them all.
+it names the ranks that started a process which is stopped (a data-loader worker stopped by a
+signal or a debugger: its rank waits for a batch, the others in the next collective), or, when
+there is none (a deadlock), them all.
 
 Only a worker that has heartbeat at least once is watched: a plain torchrun script that
 never imports ckptrun has no heartbeat and must never be killed as hung.  The timeout is
@@ -29,6 +31,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
+
+import psutil
 
 from ckptrun.agent.stopping import stat_fields
 from ckptrun.protocol import Phase
@@ -250,6 +254,17 @@ def _dump(targets: List[Tuple[int, str, str]], wait: float, stop_again: bool = F
                     _write(out, f.read())
             done.append(out)
     return done
+
+
+def stopped_descendant(pid: int) -> Optional[int]:
+    """A process that ``pid`` started (at any depth) and that is stopped by a signal, or
+    None.  A rank waiting on it looks like a deadlock (its own sampler runs), but it is the
+    one to replace: its peers only wait for it."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return None
+    return next((c.pid for c in children if _stopped(c.pid)), None)
 
 
 def _stopped(pid: int) -> bool:

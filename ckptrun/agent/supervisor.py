@@ -36,7 +36,7 @@ from ckptrun.agent.events import (
     write_json_atomic,
 )
 from ckptrun.agent.failure_summary import Exit, failure_summary
-from ckptrun.agent.hang import HangDetector, dump_stacks, stacks_path
+from ckptrun.agent.hang import Hang, HangDetector, dump_stacks, stacks_path, stopped_descendant
 from ckptrun.agent.inplace import (
     UNWIND_TIMEOUT_S,
     ask,
@@ -578,13 +578,20 @@ class Agent:
             remote_age = self.live.remote_progress_age()
         hang = self.hang.verdict(now, remote_age)
         if hang is not None:  # the ranks that stopped, not the ones waiting on them
-            self._hung = list(hang.ranks)
             by_local = {w.local_rank: w for w in self.workers}
+            children = {}  # local rank -> the stopped process it started
+            if hang.deadlock:
+                children = {lr: c for lr in hang.ranks
+                            for c in [stopped_descendant(by_local[lr].pid)] if c is not None}
+                if children:
+                    hang = Hang(hang.silent_s, sorted(children), deadlock=False)
+            self._hung = list(hang.ranks)
             for lr in hang.ranks:
                 w = by_local[lr]
+                why = "deadlock" if hang.deadlock else "child_stopped" if children else "stopped"
                 self.events.emit("hang_detected", rank=w.global_rank,
                                  seconds_silent=hang.silent_s, attempt=self.epoch.attempt,
-                                 why="deadlock" if hang.deadlock else "stopped")
+                                 why=why, **({"child_pid": children[lr]} if children else {}))
                 self._fail(w, event="hang_detected", seconds_silent=hang.silent_s)
             self.clock.failed(at=now - hang.silent_s, now=now)
             self._dump_stacks()

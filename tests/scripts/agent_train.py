@@ -2,7 +2,8 @@
 
 Flags: --steps N, --step-time S, --fail-rank R, and (first attempt only, on rank R):
 --crash-at K (SIGKILL itself), --raise-at K (exception), --hang-at K (SIGSTOP itself),
---exit-at K (sys.exit(3)), --fatal-at K (set the control block's fatal flag and sleep);
+--exit-at K (sys.exit(3)), --fatal-at K (set the control block's fatal flag and sleep),
+--child-hang-at K (wait for a child process that SIGSTOPs itself: a stopped data worker);
 --always-crash-at K crashes in every attempt.  --marks FILE appends timing marks (JSON lines):
 "start" when the script begins, "beat1" at the first heartbeat, "kill" just before a crash.
 --no-pg skips the process group; --grandchild starts a ``sleep 300`` child (orphan tests);
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--step-time", type=float, default=0.05)
     ap.add_argument("--fail-rank", type=int, default=1)
-    for flag in ("crash-at", "raise-at", "hang-at", "exit-at", "fatal-at", "always-crash-at"):
+    for flag in ("crash-at", "raise-at", "hang-at", "exit-at", "fatal-at", "always-crash-at",
+                 "child-hang-at"):
         ap.add_argument(f"--{flag}", type=int, default=-1)
     ap.add_argument("--marks", default="")
     ap.add_argument("--no-pg", action="store_true")
@@ -115,6 +117,14 @@ def main() -> None:
         if step == args.hang_at:
             mark(args.marks, "kill")
             os.kill(os.getpid(), signal.SIGSTOP)
+        if step == args.child_hang_at:  # waits for a batch from a worker process that stopped
+            import subprocess
+
+            child = subprocess.Popen([sys.executable, "-c", "import os, signal; "
+                                      "os.kill(os.getpid(), signal.SIGSTOP); print('batch')"],
+                                     stdout=subprocess.PIPE)
+            mark(args.marks, "child", pid=child.pid)
+            child.stdout.read()
         if step == args.fatal_at:
             from ckptrun.worker.heartbeat import worker_link
 
