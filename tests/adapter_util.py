@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -21,12 +21,14 @@ def run(cmd: List[str], timeout: float = 240, env=None) -> subprocess.CompletedP
     return proc
 
 
-def ckptrun_job(run_dir: str, script: str, *args: str, nproc: int = 2) -> List[dict]:
-    """Run ``script`` under ``ckptrun --standalone``; returns the run's events."""
+def ckptrun_job(run_dir: str, script: str, *args: str, nproc: int = 2,
+                launcher: Sequence[str] = ()) -> List[dict]:
+    """Run ``script`` under ``ckptrun --standalone`` (and ``launcher``'s options); returns the
+    run's events."""
     # a job without an injected failure has no use for warm spares
     failing = any(a.startswith("--crash") for a in args)
     run([sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", str(nproc),
-         "--run-dir", run_dir, os.path.join(SCRIPTS, script), *args],
+         "--run-dir", run_dir, *launcher, os.path.join(SCRIPTS, script), *args],
         env=None if failing else {"CKPTRUN_WARM_SPARES": "0"})
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

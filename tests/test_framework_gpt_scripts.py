@@ -1,5 +1,5 @@
-"""Users' scripts, not ours: a char-level GPT trained with 🤗 Accelerate, the HF Trainer and
-Lightning the way people write them (tests/scripts/gpt_*.py: loader workers that persist and
+"""Users' scripts, not ours: a char-level GPT trained with the HF Trainer and Lightning the
+way people write them (tests/scripts/gpt_*.py: loader workers that persist and
 prefetch, gradient accumulation, clipping, cosine warm-up schedules, evaluation during
 training -- on the main process only, or every 10 steps with its own persistent workers), and
 a Llama trained the way torchtitan's trainer does it (tests/scripts/titan_style.py: blocks
@@ -26,8 +26,7 @@ from adapter_util import assert_bitwise, ckptrun_job, of
 pytestmark = pytest.mark.slow
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-JOBS = {"accelerate": ("gpt_accelerate.py", "accelerate"),
-        "transformers": ("gpt_hf_trainer.py", "transformers"),
+JOBS = {"transformers": ("gpt_hf_trainer.py", "transformers"),
         "lightning": ("gpt_lightning.py", "lightning"),
         "torchtitan-style": ("titan_style.py", "torchdata")}
 
@@ -55,7 +54,6 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,crash_at,in_place", [
-    ("accelerate", 12, True),
     # restored at step 10 or 11: the resumed run's first evaluation is step 20's (the
     # snapshot of step 10 is taken before its evaluation), where its eval loader's persistent
     # workers make their iterator -- the failure-free run made it at step 10

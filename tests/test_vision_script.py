@@ -1,0 +1,46 @@
+"""A user's image-classification script (tests/scripts/vision_style.py: BatchNorm, dropout,
+an EMA model, ``OneCycleLR``, a ``DistributedSampler`` told the epoch, a torchdata
+``StatefulDataLoader`` whose workers augment from their own RNG) whose failure is one of its
+*data-loader workers*: stopped, so rank 1 waits for its batch for ever while rank 0 waits in
+the next all-reduce -- the hang is rank 1's (its stopped child), and rank 0 recovers in its
+own process; or killed, so rank 1 raises on its next batch.  Both end bitwise equal to the
+failure-free run.  Without ``ckptrun.adapters.dataloader`` the restored loop's new iterator
+drew from the restored RNG and dropout ran one position off: the weights differed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from adapter_util import assert_bitwise, ckptrun_job, of
+
+pytest.importorskip("torchdata")
+pytestmark = pytest.mark.slow
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "vision_style.py")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("ref")
+    assert not of(ckptrun_job(str(tmp / "run"), SCRIPT, "--out", str(tmp / "out.pt")),
+                  "restart")
+    return torch.load(tmp / "out.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("failure,in_place", [("--stop-worker-at", True),
+                                              ("--kill-worker-at", False)])
+def test_a_data_worker_failure_recovers_bitwise(tmp_path, reference, failure, in_place):
+    evts = ckptrun_job(str(tmp_path / "run"), SCRIPT, "--out", str(tmp_path / "out.pt"),
+                       failure, "10", *(["--in-place"] if in_place else []),
+                       launcher=["--hang-timeout", "3"])
+    hangs = of(evts, "hang_detected")
+    if failure == "--stop-worker-at":
+        assert [(e["rank"], e["why"]) for e in hangs] == [(1, "child_stopped")], hangs
+    else:
+        assert not hangs and [e["rank"] for e in of(evts, "worker_failed")] == [1], evts
+    assert [r.get("in_place") for r in of(evts, "restart")] == [[0] if in_place else None]
+    restored = of(evts, "restored")
+    assert restored and restored[0]["tier"] == "memory" and 9 <= restored[0]["step"] <= 10
+    assert_bitwise(reference, torch.load(tmp_path / "out.pt", weights_only=True))
