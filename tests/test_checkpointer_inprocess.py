@@ -154,10 +154,32 @@ def test_state_growth_reallocates_and_plain_python_values_restore():
     ck.close()
 
 
-def test_unsupported_state_fails_clearly():
-    ck = ckptrun.Checkpointer({"loader": iter([1, 2])})
-    with pytest.raises(TypeError, match="'loader'"):
+@pytest.mark.parametrize("value,says", [
+    (iter([1, 2]), "an iterator's position cannot be read back"),
+    (torch.utils.data.DataLoader([1, 2]), "StatefulDataLoader is a drop-in replacement"),
+    (torch.utils.data.RandomSampler([1, 2]), "a sampler's position is kept by the loader"),
+    ({1, 2}, "use tensors, numpy arrays"),
+], ids=["iterator", "DataLoader", "sampler", "set"])
+def test_unsupported_state_fails_clearly(value, says):
+    ck = ckptrun.Checkpointer({"loader": value})
+    with pytest.raises(TypeError, match="'loader'") as err:  # (Unsnapshottable)
         ck.save(1)
+    assert says in str(err.value)
+    ck.close()
+
+
+def test_a_registered_generator_is_restored_in_place():
+    """A script drawing its batches from its own ``torch.Generator`` registers it as is."""
+    g = torch.Generator().manual_seed(7)
+    ck = ckptrun.Checkpointer({"gen": g}, capture_rng=False)
+    torch.randn(3, generator=g)
+    ck.save(1)
+    ck.wait()
+    want = torch.randn(5, generator=g)
+    torch.randn(9, generator=g)
+    assert ck.restore() == 1
+    assert torch.equal(torch.randn(5, generator=g), want)
+    ck.close()
 
 
 def test_standalone_persists_and_a_new_process_resumes_from_storage(tmp_path):

@@ -37,6 +37,17 @@ CRASH_WITH_PROGRESS = textwrap.dedent("""
 """)
 
 
+# a plain DataLoader registered: the first save() cannot snapshot it, and never will
+UNSNAPSHOTTABLE = textwrap.dedent("""
+    import ckptrun, torch
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    ckpt = ckptrun.Checkpointer({"w": torch.zeros(4), "data": loader})
+    ckpt.restore()
+    for step, batch in enumerate(loader, 1):
+        ckpt.save(step)
+""")
+
+
 def run(tmp_path, source: str):
     script = tmp_path / "train.py"
     script.write_text(source)
@@ -71,3 +82,15 @@ def test_failures_with_progress_in_between_are_all_restarted(tmp_path):
     assert len([e for e in evts if e["event"] == "worker_failed"]) == 5  # 2, 4, 6, 8, 10
     assert not [e for e in evts if e["event"] == "restart_loop"]
     assert [e["step"] for e in evts if e["event"] == "restored"] == [2, 4, 6, 8, 10]
+
+
+def test_state_that_cannot_be_snapshotted_stops_the_job_at_once(tmp_path):
+    """Not three attempts that fail the same way: the type of a registered object is wrong
+    in every process; the message says what to register instead."""
+    proc, evts, _ = run(tmp_path, UNSNAPSHOTTABLE)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert not [e for e in evts if e["event"] == "restart"], evts
+    failed = [e for e in evts if e["event"] == "worker_failed"]
+    assert [(e["rank"], e.get("fatal")) for e in failed] == [(0, 1)], failed
+    assert "cannot snapshot torch.utils.data.dataloader.DataLoader at 'data'" in proc.stderr
+    assert "StatefulDataLoader is a drop-in replacement" in proc.stderr

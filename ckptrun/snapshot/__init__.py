@@ -31,6 +31,7 @@ from ckptrun.snapshot.slots import (
 from ckptrun.snapshot.tree import (
     FORMAT,
     Flattened,
+    Unsnapshottable,
     dtensor_class,
     find_optimizers,
     flatten,
@@ -49,4 +50,5 @@ __all__ = [
     "slot_checksum", "slot_size", "verify_slot", "write_slot",
     "FORMAT", "Flattened", "dtensor_class", "find_optimizers", "flatten", "flatten_state",
     "is_dtensor", "load_into", "make_meta", "meta_json", "tensor_entries", "unflatten",
+    "Unsnapshottable",
 ]

@@ -67,11 +67,21 @@ class Flattened:
         return len(self.deferrable) - 1
 
 
+class Unsnapshottable(TypeError):
+    """The state holds something a snapshot cannot hold (its type, not its value: saving
+    again, or in a restarted process, fails the same way)."""
+
+
+# a torch.Generator snapshots as {GENERATOR_KEY: its state}, put back with set_state()
+GENERATOR_KEY = "generator_state"
+
+
 def flatten(state: Any) -> Tuple[Any, List[Tuple[str, torch.Tensor]]]:
     """Split ``state`` into a JSON skeleton and its tensors (``[(path, tensor)]``).
 
     Values may be objects with ``state_dict()`` (stored as their state dict), tensors, numpy
-    arrays and plain Python data.  Anything else raises ``TypeError`` naming its path.
+    arrays and plain Python data.  Anything else raises :class:`Unsnapshottable` (a
+    ``TypeError``) naming its path.
     """
     fl = flatten_state(state)
     return fl.tree, fl.items
@@ -154,7 +164,7 @@ def _enc(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         return {"d": out}
     if tx is torch.Tensor or tx is torch.nn.Parameter:  # never a DTensor (a subclass)
         if x.layout != torch.strided:
-            raise TypeError(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
+            raise Unsnapshottable(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
         deferrable = live is not None and x.numel() > 0 and x.data_ptr() in live
         return {"T": fl.add(path, x.detach(), deferrable)}
     if tx is float:
@@ -177,7 +187,7 @@ def _enc_any(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         return _enc_dtensor(x, path, fl, live)
     if isinstance(x, torch.Tensor):
         if x.is_sparse or x.layout != torch.strided:
-            raise TypeError(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
+            raise Unsnapshottable(f"ckptrun: cannot snapshot sparse tensor at {path or '<root>'!r}")
         deferrable = live is not None and x.numel() > 0 and x.data_ptr() in live
         return {"T": fl.add(path, x.detach(), deferrable)}
     if isinstance(x, dict):
@@ -190,7 +200,7 @@ def _enc_any(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         return _enc_ndarray(x, path, fl)
     if isinstance(x, np.generic):
         if x.dtype.kind == "O":
-            raise TypeError(f"ckptrun: cannot snapshot numpy object scalar at {path!r}")
+            raise Unsnapshottable(f"ckptrun: cannot snapshot numpy object scalar at {path!r}")
         return {"ns": [x.dtype.str, x.tobytes().hex()]}
     if isinstance(x, (bytes, bytearray)):
         return {"b" if type(x) is bytes else "ba": base64.b64encode(bytes(x)).decode("ascii")}
@@ -202,11 +212,29 @@ def _enc_any(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         return {"dev": str(x)}
     if hasattr(x, "state_dict") and callable(x.state_dict) and hasattr(x, "load_state_dict"):
         return {"o": _enc(x.state_dict(), path, fl, live)}
-    raise TypeError(
+    if isinstance(x, torch.Generator):  # restored in place by load_into
+        return {"o": _enc({GENERATOR_KEY: x.get_state()}, path, fl, live)}
+    raise Unsnapshottable(
         f"ckptrun: cannot snapshot {type(x).__module__}.{type(x).__qualname__} at "
-        f"{path or '<root>'!r}: use tensors, numpy arrays, plain Python data or objects with "
-        "state_dict()/load_state_dict()"
+        f"{path or '<root>'!r}: {_instead(x)}"
     )
+
+
+def _instead(x: Any) -> str:
+    """What to register instead of ``x``: the common mistakes get their own answer."""
+    from torch.utils.data import DataLoader, Sampler
+
+    if isinstance(x, DataLoader):
+        return ("a DataLoader has no state_dict(); torchdata's StatefulDataLoader is a drop-in "
+                "replacement that has (docs/exact.md, section 4)")
+    if isinstance(x, Sampler):
+        return ("a sampler's position is kept by the loader that iterates it: register a "
+                "torchdata StatefulDataLoader instead")
+    if hasattr(x, "__next__"):
+        return ("an iterator's position cannot be read back: register the loader it comes "
+                "from (a torchdata StatefulDataLoader), or draw batches from the step number")
+    return ("use tensors, numpy arrays, plain Python data, torch.Generator or objects with "
+            "state_dict()/load_state_dict()")
 
 
 def _enc_dtensor(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
@@ -219,7 +247,7 @@ def _enc_dtensor(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> 
         elif p.is_replicate():
             placements.append("R")
         else:  # Partial: the value is a pending reduction, not state
-            raise TypeError(f"ckptrun: cannot snapshot a DTensor with placement {p} at {path!r}")
+            raise Unsnapshottable(f"ckptrun: cannot snapshot a DTensor with placement {p} at {path!r}")
     local = x.to_local().detach()
     chunk = x.__create_chunk_list__()[0]  # the DCP chunk of this rank's shard
     deferrable = live is not None and local.numel() > 0 and local.data_ptr() in live
@@ -234,7 +262,7 @@ def _enc_key(k: Any, path: str) -> Any:
         return _enc(k, path, Flattened(), None)
     if type(k) is tuple:
         return {"t": [_enc_key(v, path) for v in k]}
-    raise TypeError(f"ckptrun: unsupported dict key {k!r} ({type(k).__name__}) at {path or '<root>'!r}")
+    raise Unsnapshottable(f"ckptrun: unsupported dict key {k!r} ({type(k).__name__}) at {path or '<root>'!r}")
 
 
 def _enc_ndarray(a: np.ndarray, path: str, fl: Flattened) -> Any:
@@ -243,7 +271,7 @@ def _enc_ndarray(a: np.ndarray, path: str, fl: Flattened) -> Any:
             raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
             idx = fl.add(path, torch.from_numpy(raw.copy()), False, tensor=False)
             return {"N": idx, "np": a.dtype.str, "shape": list(a.shape)}
-        raise TypeError(f"ckptrun: cannot snapshot numpy array of dtype {a.dtype} at {path!r}")
+        raise Unsnapshottable(f"ckptrun: cannot snapshot numpy array of dtype {a.dtype} at {path!r}")
     native = a.dtype.isnative and a.dtype.kind in _NP_TORCH_KINDS
     if native:
         try:
@@ -314,6 +342,8 @@ def load_into(target: Dict[Any, Any], restored: Dict[Any, Any]) -> None:
         if cur is not None and hasattr(cur, "load_state_dict") and not isinstance(cur, torch.Tensor) \
                 and hasattr(cur, "state_dict"):
             cur.load_state_dict(new)
+        elif isinstance(cur, torch.Generator) and isinstance(new, dict) and GENERATOR_KEY in new:
+            cur.set_state(new[GENERATOR_KEY])
         elif isinstance(cur, torch.Tensor) and isinstance(new, torch.Tensor) \
                 and cur.shape == new.shape and cur.dtype == new.dtype:
             with torch.no_grad():

@@ -247,7 +247,11 @@ class Checkpointer:
         self.wait()
         prefault.release()  # a restarted worker's start-up is over (no-op otherwise)
         self._set_phase(Phase.SAVING, step)
-        fl = S.flatten_state(self._full_state())
+        try:
+            fl = S.flatten_state(self._full_state())
+        except S.Unsnapshottable:
+            self._ctl("fatal", 1)  # a restart would fail the same way: the agent stops the job
+            raise
         for opt in fl.optimizers:
             self._hook(opt)
         tensors = [t for _, t in fl.items]
