@@ -1,21 +1,21 @@
 """torchdata's ``StatefulDataLoader``: a restore must not draw from the restored RNG.
 
-Creating a data-loader iterator draws from torch's global RNG: the base seed of its workers
-(``torch.empty((), dtype=torch.int64).random_()``) and, with ``shuffle=True``, the
-sampler's seed.  An uninterrupted run draws them when an epoch begins -- before every
-snapshot of that epoch, so each snapshot's RNG state is the state *after* those draws.  A
-restored process creates the iterator once more after ``restore()`` (its ``for batch in
+Creating a data-loader iterator draws from torch's global RNG (or the loader's
+``generator``): the base seed of its workers (``torch.empty((), dtype=torch.int64)
+.random_()``), in every loader, with or without workers.  An uninterrupted run draws it when
+an epoch begins -- before every snapshot of that epoch, so each snapshot's RNG state is the
+state *after* that draw.  A restored process creates the iterator once more after ``restore()`` (its ``for batch in
 loader`` begins again), so it draws a second time from the RNG ckptrun has just restored:
 dropout, noise and every later draw in the main process run one stream position off, and
 the job is not exact any more (``ckptrun check`` reports ``rng`` differing at the first
-step after the restore).  The loader's own state does not need those draws: it keeps the
-base seed and the sampler's generator and puts them back itself.
+step after the restore).  The loader's own state does not need the draw: it keeps the base
+seed (and its sampler's generator) and puts them back itself.
 
 So a registered ``StatefulDataLoader`` (or a subclass, such as torchtitan's) is snapshotted
-through :class:`RestoreAheadLoader`, whose ``load_state_dict`` arranges for the loader's next
+through :class:`RngNeutralLoader`, whose ``load_state_dict`` arranges for the loader's next
 iterator -- created when the loop asks for it, after its ``sampler.set_epoch(epoch)`` -- to
 leave torch's RNG (and the loader's own ``generator``, if it has one) as it found them, so
-the draws count as the ones made before the snapshot.  Creating the iterator at restore time
+the draw counts as the one made before the snapshot.  Creating the iterator at restore time
 instead would run before the loop's ``set_epoch`` and shuffle the epoch as epoch 0.
 Top-level entries only; a loader nested deeper is restored as before.
 """
@@ -35,7 +35,7 @@ def _loader_class() -> Optional[type]:
     return getattr(mod, "StatefulDataLoader", None) if mod is not None else None
 
 
-class RestoreAheadLoader:
+class RngNeutralLoader:
     """The snapshot view of a ``StatefulDataLoader``: its own state; restoring it makes the
     loader's next iterator draw nothing from the RNGs (see the module docstring for why)."""
 
@@ -72,7 +72,7 @@ def _once_without_draws(loader: Any) -> Callable[[], Any]:
 
 def adapt(state: Dict[str, Any], cache: Dict[Any, Any]) -> Dict[str, Any]:
     """``state`` with every top-level ``StatefulDataLoader`` seen through
-    :class:`RestoreAheadLoader` (the same keys and values are snapshotted)."""
+    :class:`RngNeutralLoader` (the same keys and values are snapshotted)."""
     cls = _loader_class()
     if cls is None:
         return state
@@ -80,5 +80,5 @@ def adapt(state: Dict[str, Any], cache: Dict[Any, Any]) -> Dict[str, Any]:
     for k, v in state.items():
         if isinstance(v, cls):
             out = dict(state) if out is None else out
-            out[k] = RestoreAheadLoader(v)
+            out[k] = RngNeutralLoader(v)
     return state if out is None else out
