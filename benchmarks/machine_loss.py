@@ -274,9 +274,8 @@ def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
         row["tiers"] = ", ".join(
             f"rank {r}{' (lost)' if r in lost_nodes else ''}: {'/'.join(sorted(t))}"
             for r, t in sorted(per_rank.items()))
-        from_peer = all(dict(s["tiers"]).get(s.get("lost_node")) == "peer"  # type: ignore[call-overload]
-                        for s in good)
-        row["met"] = "yes" if from_peer and statistics.median(lost) == 0 else "no"
+        row["met"] = "yes" if all(from_copies(s) for s in good) \
+            and statistics.median(lost) == 0 else "no"
     phases = [s["phases"] for s in good if s.get("phases")]
     if phases:
         med = {k: statistics.median(float(p[k]) for p in phases) for k in phases[0]}
@@ -293,6 +292,13 @@ def summarize(mb: int, step_s: float, samples: List[Dict[str, object]],
                  "files go with its processes (SIGKILL to all, its reaper unlinks them)")
     row["note"] = "; ".join(notes)
     return row
+
+
+def from_copies(sample: Dict) -> bool:
+    """Whether the lost machine's rank restored a copy replicated from its machine: fetched
+    from a peer, or (a standby's) held in the memory it took over -- not storage, not none."""
+    tiers = {int(rank): tier for rank, tier in dict(sample["tiers"]).items()}  # JSON: str keys
+    return tiers.get(sample.get("lost_node")) in ("peer", "memory")
 
 
 @section("machine_loss", "Machine loss → a replacement machine restores from a peer's copy",
