@@ -53,6 +53,11 @@ def test_summary_judges_the_lost_rank_by_its_tier():
     bad = summarize(64, 0.15, [dict(base, tiers={0: "storage", 1: "storage"})],
                     private_shm=False)
     assert bad["met"] == "no"
+    # a standby restores the copy it was sent from its own memory; rows read back from the
+    # results JSON have string keys
+    standby = summarize(64, 0.15, [dict(base, tiers={"0": "memory", "1": "memory"})],
+                        private_shm=True)
+    assert standby["met"] == "yes"
 
 
 def test_machine_loss_cases_name_who_takes_the_place():
