@@ -132,3 +132,9 @@ def test_status_without_run(workdir):
 def test_restore_dispatch(workdir, capsys):
     assert _main(["restore", "--help"]) == 0
     assert "--rollback" in capsys.readouterr().out
+
+
+def test_check_help_names_the_subcommand(capsys):
+    assert _main(["check", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ckptrun check ") and "--fail-at S" in out

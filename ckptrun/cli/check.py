@@ -32,6 +32,10 @@ from ckptrun.protocol.check import Fault
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.prog = "ckptrun check"
+    parser.description = ("Run the training script twice through ckptrun -- without a failure "
+                          "and with a rank SIGKILLed after a save() -- and compare every "
+                          "snapshot after the restore bitwise (docs/exact.md).")
     g = parser.add_argument_group("ckptrun check options")
     g.add_argument("--steps", type=int, default=None, metavar="K",
                    help="compare up to step K (default: the script's own end)")
