@@ -130,8 +130,8 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
     if kind == "hang_detected":
         how = {"stopped": "stopped (no sign of life)",
                "deadlock": "waiting, as every other rank (a deadlock or a stuck collective)",
-               "child_stopped": f"waiting on process {e.get('child_pid')}, which it started "
-                                "and which is stopped (a data-loader worker, say)",
+               "child_stopped": f"waiting on process {e.get('child_pid')} ({e.get('child')}), "
+                                "which it started and which is stopped",
                }.get(e.get("why"), "hung")
         return (f"rank {rank} {how}: no rank advanced for "
                 f"{_secs(e.get('seconds_silent'))}{attempt}")

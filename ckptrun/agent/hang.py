@@ -256,15 +256,33 @@ def _dump(targets: List[Tuple[int, str, str]], wait: float, stop_again: bool = F
     return done
 
 
-def stopped_descendant(pid: int) -> Optional[int]:
-    """A process that ``pid`` started (at any depth) and that is stopped by a signal, or
-    None.  A rank waiting on it looks like a deadlock (its own sampler runs), but it is the
-    one to replace: its peers only wait for it."""
+def stopped_descendant(pid: int) -> Optional[Tuple[int, str]]:
+    """(pid, what it is) of a process that ``pid`` started (at any depth) and that is
+    stopped by a signal, or None.  A rank waiting on it looks like a deadlock (its own
+    sampler runs), but it is the one to replace: its peers only wait for it."""
     try:
-        children = psutil.Process(pid).children(recursive=True)
+        rank = psutil.Process(pid)
+        children = rank.children(recursive=True)
     except psutil.Error:
         return None
-    return next((c.pid for c in children if _stopped(c.pid)), None)
+    for c in children:
+        if _stopped(c.pid):
+            try:
+                return c.pid, _what(c, rank)
+            except psutil.Error:
+                return c.pid, "gone since"
+    return None
+
+
+def _what(child: psutil.Process, rank: psutil.Process) -> str:
+    """torch's data-loader workers call themselves ``pt_data_worker``; torchdata's are forks
+    of the rank that keep its command line."""
+    name = child.name()
+    if name == "pt_data_worker":
+        return "pt_data_worker, a data-loader worker"
+    if child.cmdline() == rank.cmdline():
+        return "a fork of the rank: a data-loader worker, say"
+    return name
 
 
 def _stopped(pid: int) -> bool:

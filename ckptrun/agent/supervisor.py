@@ -591,7 +591,8 @@ class Agent:
                 why = "deadlock" if hang.deadlock else "child_stopped" if children else "stopped"
                 self.events.emit("hang_detected", rank=w.global_rank,
                                  seconds_silent=hang.silent_s, attempt=self.epoch.attempt,
-                                 why=why, **({"child_pid": children[lr]} if children else {}))
+                                 why=why, **({"child_pid": children[lr][0],
+                                              "child": children[lr][1]} if children else {}))
                 self._fail(w, event="hang_detected", seconds_silent=hang.silent_s)
             self.clock.failed(at=now - hang.silent_s, now=now)
             self._dump_stacks()
