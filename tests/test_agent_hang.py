@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import psutil
 from conftest import SCRIPTS, job_shm_files, run_events
@@ -41,6 +42,19 @@ def test_sigstop_hang_detected_dumped_restarted(tmp_path, ckptrun_run):
     assert not job_shm_files(run_dir)
 
 
+def _gone(pid: int, within: float = 5.0) -> bool:
+    """``pid`` exited (an orphan is reaped by whoever adopted it, a moment later)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_a_rank_waiting_on_its_stopped_child_is_the_one_named(tmp_path, ckptrun_run):
     """Rank 1 waits for a batch from a process it started (a data-loader worker) that is
     stopped; rank 0 waits for rank 1 in the next all-reduce.  Both samplers run: without
@@ -59,7 +73,7 @@ def test_a_rank_waiting_on_its_stopped_child_is_the_one_named(tmp_path, ckptrun_
     assert what.startswith("python"), hangs  # neither torch's worker nor a fork of the rank
     assert f"rank 1 waiting on process {child} ({what}), which it started and which is " \
         "stopped" in p.stderr, p.stderr[-3000:]
-    assert not psutil.pid_exists(child)  # stopped, it was killed with its rank
+    assert _gone(child)  # stopped, it was killed with its rank
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
     assert of(evts, "finished")[-1]["exit_code"] == 0
 
