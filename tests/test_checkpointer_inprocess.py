@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -165,6 +166,31 @@ def test_unsupported_state_fails_clearly(value, says):
     with pytest.raises(TypeError, match="'loader'") as err:  # (Unsnapshottable)
         ck.save(1)
     assert says in str(err.value)
+    ck.close()
+
+
+@dataclasses.dataclass
+class TrainState:
+    """A train-state container as scripts keep one: no state_dict() of its own."""
+    step: int = 0
+    best: float = float("inf")
+    losses: list = dataclasses.field(default_factory=list)
+    ema: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(3))
+
+
+def test_a_registered_dataclass_is_restored_field_by_field_in_place():
+    ts = TrainState()
+    ema = ts.ema
+    ck = ckptrun.Checkpointer({"state": ts}, capture_rng=False)
+    ts.step, ts.best, ts.losses = 2, 0.5, [1.0, 0.5]
+    ts.ema += 1.0
+    ck.save(2)
+    ck.wait()
+    ts.step, ts.best, ts.losses = 9, 0.1, [1.0, 0.5, 0.25]
+    ts.ema += 5
+    assert ck.restore() == 2
+    assert (ts.step, ts.best, ts.losses) == (2, 0.5, [1.0, 0.5])
+    assert ts.ema is ema and torch.equal(ema, torch.ones(3))  # the script's tensor, in place
     ck.close()
 
 

@@ -18,6 +18,7 @@ the package re-exports both.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import sys
 import warnings
@@ -214,10 +215,18 @@ def _enc_any(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
         return {"o": _enc(x.state_dict(), path, fl, live)}
     if isinstance(x, torch.Generator):  # restored in place by load_into
         return {"o": _enc({GENERATOR_KEY: x.get_state()}, path, fl, live)}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # its fields, set back in place
+        return {"o": _enc(_fields(x), path, fl, live)}
     raise Unsnapshottable(
         f"ckptrun: cannot snapshot {type(x).__module__}.{type(x).__qualname__} at "
         f"{path or '<root>'!r}: {_instead(x)}"
     )
+
+
+def _fields(x: Any) -> Dict[str, Any]:
+    """A dataclass instance's fields by name (not ``dataclasses.asdict``: that deep-copies
+    them, tensors included, on every save)."""
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
 def _instead(x: Any) -> str:
@@ -233,8 +242,8 @@ def _instead(x: Any) -> str:
     if hasattr(x, "__next__"):
         return ("an iterator's position cannot be read back: register the loader it comes "
                 "from (a torchdata StatefulDataLoader), or draw batches from the step number")
-    return ("use tensors, numpy arrays, plain Python data, torch.Generator or objects with "
-            "state_dict()/load_state_dict()")
+    return ("use tensors, numpy arrays, plain Python data, dataclass instances, "
+            "torch.Generator or objects with state_dict()/load_state_dict()")
 
 
 def _enc_dtensor(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
@@ -333,9 +342,10 @@ def _dec(n: Any, ts: List[torch.Tensor]) -> Any:
 def load_into(target: Dict[Any, Any], restored: Dict[Any, Any]) -> None:
     """Load ``restored`` (from :func:`unflatten`) into the live ``target`` state in place.
 
-    Objects get ``load_state_dict``; tensors are overwritten in place when shape and dtype
-    match (the script keeps its references); nested dicts are updated recursively; anything
-    else replaces the entry.
+    Objects get ``load_state_dict``; generators ``set_state``; a dataclass instance its fields
+    (each loaded the same way); tensors are overwritten in place when shape and dtype match
+    (the script keeps its references); nested dicts are updated recursively; anything else
+    replaces the entry.
     """
     for k, new in restored.items():
         cur = target.get(k, None) if isinstance(target, dict) else None
@@ -344,6 +354,13 @@ def load_into(target: Dict[Any, Any], restored: Dict[Any, Any]) -> None:
             cur.load_state_dict(new)
         elif isinstance(cur, torch.Generator) and isinstance(new, dict) and GENERATOR_KEY in new:
             cur.set_state(new[GENERATOR_KEY])
+        elif dataclasses.is_dataclass(cur) and not isinstance(cur, type) \
+                and isinstance(new, dict):
+            fields = _fields(cur)
+            load_into(fields, {n: v for n, v in new.items() if n in fields})
+            for name in new:
+                if name in fields:  # (object's own setattr: frozen ones are restored too)
+                    object.__setattr__(cur, name, fields[name])
         elif isinstance(cur, torch.Tensor) and isinstance(new, torch.Tensor) \
                 and cur.shape == new.shape and cur.dtype == new.dtype:
             with torch.no_grad():
