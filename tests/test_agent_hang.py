@@ -74,6 +74,8 @@ def test_a_rank_waiting_on_its_stopped_child_is_the_one_named(tmp_path, ckptrun_
     assert f"rank 1 waiting on process {child} ({what}), which it started and which is " \
         "stopped" in p.stderr, p.stderr[-3000:]
     assert _gone(child)  # stopped, it was killed with its rank
+    status = ckptrun_run("status", "--run-dir", run_dir)  # its recent failures say why too
+    assert f"rank 1 waiting on process {child}" in " ".join(status.stdout.split()), status.stdout
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
     assert of(evts, "finished")[-1]["exit_code"] == 0
 

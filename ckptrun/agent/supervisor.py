@@ -588,12 +588,14 @@ class Agent:
             self._hung = list(hang.ranks)
             for lr in hang.ranks:
                 w = by_local[lr]
-                why = "deadlock" if hang.deadlock else "child_stopped" if children else "stopped"
+                why = {"why": "deadlock" if hang.deadlock else
+                       "child_stopped" if children else "stopped"}
+                if children:
+                    why.update(child_pid=children[lr][0], child=children[lr][1])
                 self.events.emit("hang_detected", rank=w.global_rank,
-                                 seconds_silent=hang.silent_s, attempt=self.epoch.attempt,
-                                 why=why, **({"child_pid": children[lr][0],
-                                              "child": children[lr][1]} if children else {}))
-                self._fail(w, event="hang_detected", seconds_silent=hang.silent_s)
+                                 seconds_silent=hang.silent_s, attempt=self.epoch.attempt, **why)
+                # (status's recent failures say why too, from the same fields)
+                self._fail(w, event="hang_detected", seconds_silent=hang.silent_s, **why)
             self.clock.failed(at=now - hang.silent_s, now=now)
             self._dump_stacks()
             return self.coord.report_failure(self.epoch.attempt)
