@@ -1,5 +1,6 @@
 """Plain ``DistributedDataParallel`` (its default bucketing, no comm hook in the script)
-resumes bitwise at 3 and 4 ranks (``ckptrun.adapters.ddp``).
+resumes bitwise at 3 and 4 ranks, and its first iteration in a new process reduces like
+the settled run at 3, 4 and 8 (``ckptrun.adapters.ddp``).
 
 DDP's first iteration in a process reduces gradients in one bucket, the later ones in the
 buckets it regroups them into; with 3+ ranks a float sum depends on the bucket, so the first
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 
 
-@pytest.mark.parametrize("nproc", [3, 4])
+@pytest.mark.parametrize("nproc", [3, 4, 8])
 def test_a_new_process_reduces_its_first_iteration_like_the_settled_run(tmp_path, nproc):
     """Given the settled layout, a new DDP's first two iterations give the reference's
     gradients bit for bit -- by its reducer built again in that layout (no comm hook left
