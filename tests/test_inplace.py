@@ -412,3 +412,50 @@ def _reference(tmp_path, steps: int) -> dict:
         env={**os.environ, "CKPTRUN_WARM_SPARES": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
+
+
+LATE_SURVIVOR = """
+import os, signal, time
+import torch, torch.distributed as dist
+import ckptrun
+
+@ckptrun.resilient
+def train():
+    dist.init_process_group("gloo")
+    rank, first = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    w = torch.zeros(4)
+    ckpt = ckptrun.Checkpointer({"w": w})
+    for step in range(ckpt.restore(), 6):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        w += t
+        ckpt.save(step + 1)
+        if first and step + 1 == 3:
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(8)  # rank 0: a long computation, no collective and no save()
+    ckpt.close()
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+@pytest.mark.slow
+def test_a_survivor_that_does_not_unwind_in_time_is_restarted_and_its_stack_kept(tmp_path):
+    script, run_dir = tmp_path / "late.py", tmp_path / "run"
+    script.write_text(LATE_SURVIVOR)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+         "--run-dir", str(run_dir), str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(run_dir / "events.jsonl") as f:
+        evts = [json.loads(line) for line in f if line.strip()]
+    late = [e for e in evts if e["event"] == "unwind_timeout"]
+    assert [(e["rank"], e["attempt"]) for e in late] == [(0, 0)], evts
+    assert "rank 0 did not unwind within 5.00 s to recover in place: it is restarted" \
+        in proc.stderr, proc.stderr[-3000:]
+    stack = open(late[0]["stacks"]).read()
+    assert "time.sleep" in stack or "in train" in stack, stack
+    restarts = [e for e in evts if e["event"] == "restart"]
+    assert len(restarts) == 1 and not restarts[0].get("in_place"), restarts

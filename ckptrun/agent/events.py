@@ -135,6 +135,10 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
                }.get(e.get("why"), "hung")
         return (f"rank {rank} {how}: no rank advanced for "
                 f"{_secs(e.get('seconds_silent'))}{attempt}")
+    if kind == "unwind_timeout":
+        where = f"; its stacks are in {e['stacks']}" if e.get("stacks") else ""
+        return (f"rank {rank} did not unwind within {_secs(e.get('seconds'))} to recover in "
+                f"place: it is restarted{where}{attempt}")
     if kind == "stacks_dumped":
         return f"stacks of the hung workers are in {e.get('path')}"
     if kind == "node_lost":

@@ -238,8 +238,23 @@ class Agent:
         """In-process recovery: the live ``@ckptrun.resilient`` workers that unwound for
         attempt ``target`` (``ckptrun.agent.inplace``); the rest are restarted."""
         candidates = self._ask_survivors(target)
-        return await_unwound(candidates, self.control, target,
+        kept = await_unwound(candidates, self.control, target,
                              time.monotonic() + UNWIND_TIMEOUT_S)
+        late = [w for w in candidates if w.local_rank not in kept and w.proc.poll() is None]
+        if late:
+            self._say_late(late)
+        return kept
+
+    def _say_late(self, late: List[Worker]) -> None:
+        """Survivors that did not unwind in time are restarted; their stacks say where they
+        were (a wait that no broken collective reaches is a bug of in-place recovery)."""
+        at = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w for w in late}
+        dumped = set(dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in at.items()],
+                                 wait=0.5))
+        for path, w in at.items():
+            self.events.emit("unwind_timeout", rank=w.global_rank, attempt=self.epoch.attempt,
+                             seconds=UNWIND_TIMEOUT_S, **({"stacks": path} if path in dumped
+                                                          else {}))
 
     def _ask_survivors(self, target: int, carried: Sequence[Worker] = ()) -> List[Worker]:
         """The live ``@ckptrun.resilient`` workers (and the live ``carried`` ones, unwound
