@@ -459,3 +459,6 @@ def test_a_survivor_that_does_not_unwind_in_time_is_restarted_and_its_stack_kept
     assert "time.sleep" in stack or "in train" in stack, stack
     restarts = [e for e in evts if e["event"] == "restart"]
     assert len(restarts) == 1 and not restarts[0].get("in_place"), restarts
+    status = subprocess.run([sys.executable, "-m", "ckptrun.cli", "status", "--run-dir",
+                             str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert "rank 0 did not unwind" in " ".join(status.stdout.split()), status.stdout

@@ -252,9 +252,10 @@ class Agent:
         dumped = set(dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in at.items()],
                                  wait=0.5))
         for path, w in at.items():
+            fields = {"seconds": UNWIND_TIMEOUT_S, **({"stacks": path} if path in dumped else {})}
             self.events.emit("unwind_timeout", rank=w.global_rank, attempt=self.epoch.attempt,
-                             seconds=UNWIND_TIMEOUT_S, **({"stacks": path} if path in dumped
-                                                          else {}))
+                             **fields)
+            self._fail(w, event="unwind_timeout", **fields)
 
     def _ask_survivors(self, target: int, carried: Sequence[Worker] = ()) -> List[Worker]:
         """The live ``@ckptrun.resilient`` workers (and the live ``carried`` ones, unwound

@@ -21,7 +21,8 @@ from ckptrun.agent.events import EVENTS_FILE, STATUS_FILE, describe, read_events
 
 RUNS_DIR = "ckptrun-runs"
 LIVE_STATES = ("starting", "running", "restarting")
-FAILURE_EVENTS = ("worker_failed", "hang_detected", "node_lost", "persist_failed")
+FAILURE_EVENTS = ("worker_failed", "hang_detected", "node_lost", "persist_failed",
+                  "unwind_timeout")
 RECENT_FAILURES = 10
 _CHECKPOINT_KEYS = ("memory_step", "peer_step", "persisted_step", "persisted_url")
 
