@@ -248,11 +248,10 @@ class Agent:
     def _say_late(self, late: List[Worker]) -> None:
         """Survivors that did not unwind in time are restarted; their stacks say where they
         were (a wait that no broken collective reaches is a bug of in-place recovery)."""
-        at = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w for w in late}
-        dumped = set(dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in at.items()],
-                                 wait=0.5))
-        for path, w in at.items():
-            fields = {"seconds": UNWIND_TIMEOUT_S, **({"stacks": path} if path in dumped else {})}
+        dumped = self._stacks_of(late, wait=0.5)
+        for w in late:
+            fields = {"seconds": UNWIND_TIMEOUT_S,
+                      **({"stacks": dumped[w.global_rank]} if w.global_rank in dumped else {})}
             self.events.emit("unwind_timeout", rank=w.global_rank, attempt=self.epoch.attempt,
                              **fields)
             self._fail(w, event="unwind_timeout", **fields)
@@ -654,20 +653,25 @@ class Agent:
     def _dump_stacks(self) -> None:
         """One ``stacks_dumped`` event per rank whose stacks were written; one line said for
         all of them (eight ranks made eight lines naming the same folder)."""
-        worker_at = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w
-                     for w in self.workers if w.proc.poll() is None}
-        paths = dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in worker_at.items()])
-        for path in paths:
-            self.events.emit("stacks_dumped", say=False, path=path,
-                             rank=worker_at[path].global_rank)
+        dumped = self._stacks_of([w for w in self.workers if w.proc.poll() is None])
+        for rank, path in dumped.items():
+            self.events.emit("stacks_dumped", say=False, path=path, rank=rank)
+        paths = list(dumped.values())
         if len(paths) == 1:
             self.events.say(f"stacks of the hung worker are in {paths[0]}")
         elif paths:
-            ranks = [worker_at[p].global_rank for p in paths]
             where = os.path.join(os.path.dirname(paths[0]),
                                  f"attempt_{self.epoch.attempt}-rank*.txt")
-            self.events.say(f"stacks of the hung workers (ranks {rank_ranges(ranks)}) "
+            self.events.say(f"stacks of the hung workers (ranks {rank_ranges(dumped)}) "
                             f"are in {where}")
+
+    def _stacks_of(self, workers: List[Worker], wait: float = 1.0) -> Dict[int, str]:
+        """{global rank: file} of ``workers`` whose stacks were dumped, in the order they
+        were (``<run-dir>/stacks/attempt_<k>-rank<r>.txt``, the file each worker's
+        faulthandler writes to for this attempt)."""
+        at = {stacks_path(self.run_dir, self.epoch.attempt, w.global_rank): w for w in workers}
+        paths = dump_stacks([(w.pid, w.bootstrapped, p, p) for p, w in at.items()], wait=wait)
+        return {at[p].global_rank: p for p in paths}
 
     def _write_status(self, force: bool = False) -> None:
         now = time.monotonic()
