@@ -603,14 +603,15 @@ class Agent:
             self._hung = list(hang.ranks)
             for lr in hang.ranks:
                 w = by_local[lr]
-                why = {"why": "deadlock" if hang.deadlock else
-                       "child_stopped" if children else "stopped"}
+                cause = {"why": "deadlock" if hang.deadlock else
+                         "child_stopped" if children else "stopped"}
                 if children:
-                    why.update(child_pid=children[lr][0], child=children[lr][1])
+                    cause.update(child_pid=children[lr][0], child=children[lr][1])
                 self.events.emit("hang_detected", rank=w.global_rank,
-                                 seconds_silent=hang.silent_s, attempt=self.epoch.attempt, **why)
+                                 seconds_silent=hang.silent_s, attempt=self.epoch.attempt,
+                                 **cause)
                 # (status's recent failures say why too, from the same fields)
-                self._fail(w, event="hang_detected", seconds_silent=hang.silent_s, **why)
+                self._fail(w, event="hang_detected", seconds_silent=hang.silent_s, **cause)
             self.clock.failed(at=now - hang.silent_s, now=now)
             self._dump_stacks()
             return self.coord.report_failure(self.epoch.attempt)
