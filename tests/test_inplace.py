@@ -317,6 +317,27 @@ def test_breaking_the_connections_wakes_a_collective_that_waits_for_a_live_rank(
     assert all(d["destroyed"] for d in lines if "destroyed" in d), lines
 
 
+def test_a_group_whose_teardown_waits_does_not_hold_the_recovery(tmp_path):
+    """A survivor's destroyed gloo group can have an operation queued on a connection that
+    nothing will wake (seen in 8-rank soaks: a DDP bucket's all-reduce queued before the
+    break); its destructor would wait the group's 60 s here.  The destroy returns at once and
+    a new group forms while the old one's threads still wait; operations issued to a broken
+    group give up within a second."""
+    probe = os.path.join(ROOT, "tests", "scripts", "retire_probe.py")
+    procs = [subprocess.Popen([sys.executable, probe, str(r), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    lines = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        lines += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    (destroy,) = [d for d in lines if "destroyed" in d]
+    assert destroy["destroyed"] and destroy["destroy_s"] < 2.0, lines
+    assert not destroy["initialized"], lines
+    assert [d["sum"] for d in lines if "sum" in d] == [[3.0] * 4] * 2, lines
+    (late,) = [d for d in lines if "late_raised" in d]
+    assert late["late_raised"] and late["late_s"] < 5.0, lines
+
+
 def test_a_group_made_outside_the_function_keeps_the_restart(tmp_path):
     script = tmp_path / "outside.py"
     script.write_text(

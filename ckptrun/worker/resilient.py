@@ -38,7 +38,12 @@ from typing import Any, Callable, Optional, TypeVar
 
 from ckptrun.protocol.env import ENV_HOT_SPARE
 from ckptrun.protocol.recovery import message_path, read_message
-from ckptrun.worker.collectives import CollectiveBreaker, destroy_groups, forget_framework_groups
+from ckptrun.worker.collectives import (
+    CollectiveBreaker,
+    destroy_groups,
+    forget_framework_groups,
+    release_retired,
+)
 from ckptrun.worker.heartbeat import RecoveryRequested, recovery_target, worker_link
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -171,6 +176,7 @@ def _unwind_and_wait(block, local_rank: int, target: int) -> Optional[dict]:
     # on a GPU before the next attempt allocates -- while the agent decides the restore and
     # the replacement starts
     gc.collect()
+    release_retired()  # the groups themselves: last, on a thread of their own
     # the state the function rebuilds lands in fresh pages: fault them in while the
     # replacement starts (``prefault``: what a warm spare does; undone by ``restore()``)
     from ckptrun.worker import prefault
