@@ -64,9 +64,20 @@ SERIAL_MODULES = {
 }
 
 
+# Of those, the machine-loss scenarios spend their time waiting (for a rendezvous round, a
+# lost machine's silence, a replacement's start) and assert no durations: `make test` runs
+# them two at a time after the rest.
+PAIRED_MODULES = {
+    "test_machine_loss", "test_etcd_machine_loss", "test_slurm", "test_sec_store",
+    "test_agent_multinode",
+}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.path.stem in SERIAL_MODULES:
+        if item.path.stem in PAIRED_MODULES:
+            item.add_marker(pytest.mark.paired)
+        elif item.path.stem in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
 
 

@@ -34,10 +34,13 @@ def _run(tmp_path, name: str, stage: int, *extra: str):
 
 
 @pytest.mark.slow
+# stage 1 (optimizer state partitioned) stands for stage 2 too, whose checkpointed state is
+# laid out the same (it partitions the gradients, which are not saved); stage 0's state is
+# plain DDP's (tests/test_ddp_exact.py): CI's 30 minutes went to the other stages
 @pytest.mark.parametrize("stage,extra", [
-    (0, []), (1, []), (2, []), (3, []),
+    (1, []), (3, []),
     # stage 3 keeping the parameters under 20,000 elements whole (all but the 256x256 one)
-    (3, ["--persistence-threshold", "20000"])], ids=["0", "1", "2", "3", "3-small-whole"])
+    (3, ["--persistence-threshold", "20000"])], ids=["1", "3", "3-small-whole"])
 def test_zero_resumes_bitwise_after_a_sigkill(tmp_path, stage, extra):
     want, _ = _run(tmp_path, "reference", stage, *extra)
     got, evts = _run(tmp_path, "failed", stage, "--crash-at", "6", *extra)
