@@ -126,15 +126,19 @@ def _shorten_timeouts() -> None:
     all-reduce as backward reaches it -- give up within :data:`BROKEN_TIMEOUT_S`, not the
     group's timeout: one whose connection gloo has already closed may never be woken by a
     shut-down socket.  (Operations issued before keep their timeout.)"""
+    for pg in _groups():
+        with contextlib.suppress(Exception):  # torch without it, an aborted NCCL group
+            pg.set_timeout(datetime.timedelta(seconds=BROKEN_TIMEOUT_S))
+
+
+def _groups() -> List[object]:
+    """Every process group of this process (torch's own table of them; [] without one)."""
     try:
         import torch.distributed.distributed_c10d as c10d
 
-        groups = list(c10d._world.pg_map)
+        return list(c10d._world.pg_map)
     except Exception:
-        return
-    for pg in groups:
-        with contextlib.suppress(Exception):  # torch without it, an aborted NCCL group
-            pg.set_timeout(datetime.timedelta(seconds=BROKEN_TIMEOUT_S))
+        return []
 
 
 def _default_uses_nccl() -> bool:
@@ -168,13 +172,11 @@ def destroy_groups(timeout_s: float = 10.0) -> bool:
     """
     try:
         import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
     except ImportError:
         return True
     if not (dist.is_available() and dist.is_initialized()):
         return True
-    with contextlib.suppress(Exception):
-        _retired.extend(c10d._world.pg_map)
+    _retired.extend(_groups())
 
     def run() -> None:
         with contextlib.suppress(Exception):
