@@ -384,8 +384,11 @@ def test_more_machines_lost_than_standbys_fall_back_to_a_rendezvous_round(
     assert "standby_took" not in of(a.run_dir, "restart")[-1], of(a.run_dir, "restart")
     restored = [recovery(m.run_dir) for m in (a, s, x)]
     assert not any(of(m.run_dir, "progress_lost") for m in (a, s, x))
-    assert [r["tier"] for r in restored[:2]] == ["memory", "memory"], restored
-    assert restored[2]["tier"] in ("memory", "peer"), restored
+    # a restores from its own memory; the standby from its copy of c's ranks -- or from a's,
+    # where c (killed first) had sent its newest round to a but not yet to the standby: the
+    # newest common step wins (b's copy of that step is on the standby, b lived 0.3 s longer)
+    assert restored[0]["tier"] == "memory", restored
+    assert all(r["tier"] in ("memory", "peer") for r in restored[1:]), restored
     assert len({r["step"] for r in restored}) == 1 and restored[0]["step"] > 0, restored
     report("3 machines, two lost, one standby", loss, restored[0]["step"])
     assert_bitwise_equal(str(tmp_path / "final.pt"), references(3))
