@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
-from typing import List
+from typing import Callable, List
 
 import pytest
 
@@ -37,6 +40,31 @@ def job_shm_files(run_dir: str) -> List[str]:
     """
     tokens = {e.get("job_token") for e in run_events(run_dir) if e["event"] == "start"}
     return [p for t in tokens if t for p in glob.glob(f"/dev/shm/ckptrun-{t}-*")]
+
+
+def shared_weights(tmp_path_factory, key: str, make: Callable[[pathlib.Path], str]) -> dict:
+    """The weights in the file ``make(directory)`` writes -- made once per test session and
+    ``key``, by whichever xdist worker asks first, the other waiting for it.
+
+    Why: the failure-free reference runs are module fixtures, and tests of one module run on
+    both workers, so each worker ran every reference it needed -- the same CPU-seconds twice
+    on a 2-core machine.  ``key`` must name everything the run depends on.
+    """
+    import torch
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above each worker's own
+    root = base / "shared"
+    root.mkdir(exist_ok=True)
+    d, done = root / key, root / f"{key}.done"
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(d, ignore_errors=True)  # a worker's failed try
+            d.mkdir()
+            done.write_text(make(d))  # written only once the file is complete
+    return torch.load(done.read_text(), weights_only=True)
 
 
 @pytest.fixture

@@ -150,17 +150,22 @@ def finish(procs, timeout: float):
 def reference_weights(tmp_path_factory) -> Callable[[int], dict]:
     """``references(world)``: the final weights of a failure-free run with ``world`` ranks on
     one machine (computed once per world size)."""
+    from conftest import shared_weights
+
     cache: dict = {}
+
+    def make(world: int, d) -> str:
+        # the weights do not depend on the step time, and a run without a failure has
+        # no use for warm spares: the reference pays for neither
+        p = machine(d, "ref", ["--standalone", "--nproc-per-node", str(world)],
+                    str(d / "final.pt"), step_time="0", env={"CKPTRUN_WARM_SPARES": "0"})
+        assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
+        return str(d / "final.pt")
 
     def get(world: int) -> dict:
         if world not in cache:
-            d = tmp_path_factory.mktemp(f"ref{world}")
-            # the weights do not depend on the step time, and a run without a failure has
-            # no use for warm spares: the reference pays for neither
-            p = machine(d, "ref", ["--standalone", "--nproc-per-node", str(world)],
-                        str(d / "final.pt"), step_time="0", env={"CKPTRUN_WARM_SPARES": "0"})
-            assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
-            cache[world] = torch.load(str(d / "final.pt"), weights_only=True)
+            cache[world] = shared_weights(tmp_path_factory, f"machines-ref{world}",
+                                          lambda d: make(world, d))
         return cache[world]
 
     return get

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from adapter_util import SCRIPTS, assert_bitwise, ckptrun_job, of
+from conftest import shared_weights
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +25,14 @@ JOBS = {"lightning": ("lightning_train.py", "lightning"),
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """name -> the failure-free run's final weights (one run per framework)."""
-    got: dict = {}
+    def make(name: str, tmp) -> str:
+        path = str(tmp / "ref.pt")
+        evts = ckptrun_job(str(tmp / "run"), JOBS[name][0], "--out", path)
+        assert not of(evts, "restart"), evts
+        return path
 
-    def get(name: str) -> dict:
-        if name not in got:
-            path = str(tmp_path_factory.mktemp(name) / "ref.pt")
-            evts = ckptrun_job(os.path.dirname(path) + "/run", JOBS[name][0], "--out", path)
-            assert not of(evts, "restart"), evts
-            got[name] = torch.load(path, weights_only=True)
-        return got[name]
-    return get
+    return lambda name: shared_weights(tmp_path_factory, f"frameworks-{name}",
+                                       lambda tmp: make(name, tmp))
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from conftest import shared_weights
 
 from ckptrun.cli.status import load_status
 
@@ -56,12 +57,13 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("reference")
-    # no failure, so no use for warm spares
-    proc = run_job(str(d / "run"), str(d / "final.pt"), env={"CKPTRUN_WARM_SPARES": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not of(events(str(d / "run")), "restart")
-    return load(str(d / "final.pt"))
+    def make(d) -> str:
+        # no failure, so no use for warm spares
+        proc = run_job(str(d / "run"), str(d / "final.pt"), env={"CKPTRUN_WARM_SPARES": "0"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not of(events(str(d / "run")), "restart")
+        return str(d / "final.pt")
+    return shared_weights(tmp_path_factory, "e2e", make)
 
 
 def no_shm_left(run_dir: str) -> None:

@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 from adapter_util import assert_bitwise, ckptrun_job, of
+from conftest import shared_weights
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +43,12 @@ def _job(tmp, name: str, *args: str) -> list:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """name -> the failure-free run's final weights (one run per framework)."""
-    got: dict = {}
+    def make(name: str, tmp) -> str:
+        assert not of(_job(tmp, name), "restart")
+        return str(tmp / "out.pt")
 
-    def get(name: str) -> dict:
-        if name not in got:
-            tmp = tmp_path_factory.mktemp(f"ref-{name}")
-            assert not of(_job(tmp, name), "restart")
-            got[name] = torch.load(tmp / "out.pt", weights_only=True)
-        return got[name]
-    return get
+    return lambda name: shared_weights(tmp_path_factory, f"gpt-{name}",
+                                       lambda tmp: make(name, tmp))
 
 
 @pytest.mark.parametrize("name,crash_at,in_place", [

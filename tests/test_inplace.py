@@ -17,6 +17,7 @@ from typing import Dict
 
 import pytest
 import torch
+from conftest import shared_weights
 
 from ckptrun.agent.inplace import ask, await_unwound, hand_over, keepable
 from ckptrun.protocol import ControlBlock
@@ -209,6 +210,12 @@ def _run(tmp_path, name: str, nproc: int, *args: str, timeout: int = 300):
     return proc, evts, torch.load(out, weights_only=True)
 
 
+def _run_ref(tmp_path, nproc: int) -> str:
+    """The failure-free run at ``nproc`` ranks; returns its weights file."""
+    _run(tmp_path, "ref", nproc)
+    return str(tmp_path / "ref.pt")
+
+
 def _pids(output: str) -> Dict[int, Dict[int, int]]:
     """rank -> {attempt: the pid it ran in}, from the script's start line."""
     got: Dict[int, Dict[int, int]] = {}
@@ -229,7 +236,8 @@ def references(tmp_path_factory):
 
     def get(nproc: int) -> dict:
         if nproc not in cache:
-            cache[nproc] = _run(tmp_path_factory.mktemp(f"ref{nproc}"), "ref", nproc)[2]
+            cache[nproc] = shared_weights(tmp_path_factory, f"inplace-ref{nproc}",
+                                          lambda d: _run_ref(d, nproc))
         return cache[nproc]
     return get
 

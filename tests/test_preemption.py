@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from conftest import shared_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -49,10 +50,11 @@ def wait_for_step(cwd, step: int, timeout: float = 120.0) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    ref = tmp_path_factory.mktemp("reference")
-    subprocess.run(ckptrun(TRAIN, *ARGS), cwd=ref, check=True, capture_output=True,
-                   timeout=240, env=dict(os.environ, CKPTRUN_WARM_SPARES="0"))  # no failure
-    return torch.load(ref / "final.pt", weights_only=True)
+    def make(ref) -> str:
+        subprocess.run(ckptrun(TRAIN, *ARGS), cwd=ref, check=True, capture_output=True,
+                       timeout=240, env=dict(os.environ, CKPTRUN_WARM_SPARES="0"))  # no failure
+        return str(ref / "final.pt")
+    return shared_weights(tmp_path_factory, "preemption", make)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

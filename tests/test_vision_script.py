@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 from adapter_util import assert_bitwise, ckptrun_job, of
+from conftest import shared_weights
 
 pytest.importorskip("torchdata")
 pytestmark = pytest.mark.slow
@@ -23,10 +24,11 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "vi
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("ref")
-    assert not of(ckptrun_job(str(tmp / "run"), SCRIPT, "--out", str(tmp / "out.pt")),
-                  "restart")
-    return torch.load(tmp / "out.pt", weights_only=True)
+    def make(tmp) -> str:
+        assert not of(ckptrun_job(str(tmp / "run"), SCRIPT, "--out", str(tmp / "out.pt")),
+                      "restart")
+        return str(tmp / "out.pt")
+    return shared_weights(tmp_path_factory, "vision", make)
 
 
 @pytest.mark.parametrize("failure,in_place", [("--stop-worker-at", True),
