@@ -346,6 +346,28 @@ def test_a_group_whose_teardown_waits_does_not_hold_the_recovery(tmp_path):
     assert late["late_raised"] and late["late_s"] < 5.0, lines
 
 
+def test_torchs_functional_collectives_use_the_new_group_after_recovery(tmp_path):
+    """``torch.distributed.nn.functional``'s collectives take ``group=group.WORLD`` as a
+    default argument, fixed when torch imports them -- with ``torch._dynamo``, after the first
+    attempt's ``init_process_group``.  After an in-place recovery they used the destroyed
+    group ("not initialized in the world group map") and kept it alive: its listener,
+    connections and threads stayed in every survivor."""
+    script = os.path.join(ROOT, "tests", "scripts", "functional_collectives.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
+         "--run-dir", str(tmp_path / "run"), script],
+        capture_output=True, text=True, timeout=180)
+    lines = [json.loads(line.split("[fc] ", 1)[1]) for line in proc.stdout.splitlines()
+             if "[fc] " in line]
+    survivor = {d["attempt"]: d for d in lines if d["rank"] == 0}
+    assert sorted(survivor) == [0, 1], (lines, proc.stderr[-3000:])
+    assert survivor[0]["pid"] == survivor[1]["pid"], lines  # recovered in place
+    assert survivor[1]["all_reduce"] == [2.0, 2.0], lines
+    # the first attempt's group is gone: its listener with it
+    assert survivor[1]["listening"] == survivor[0]["listening"], lines
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_a_group_made_outside_the_function_keeps_the_restart(tmp_path):
     script = tmp_path / "outside.py"
     script.write_text(

@@ -209,6 +209,7 @@ def forget_framework_groups() -> None:
     resets them itself when its ``TrainingArguments`` are made; a plain accelerate loop does
     not.  Lightning and DeepSpeed look at ``torch.distributed.is_initialized()``.
     """
+    _unpin_default_groups()
     state = sys.modules.get("accelerate.state")
     if state is None:
         return
@@ -216,3 +217,36 @@ def forget_framework_groups() -> None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
     with contextlib.suppress(Exception):
         state.GradientState._reset_state()
+
+
+# modules whose functions take ``group=group.WORLD`` as a default argument: evaluated once,
+# at import -- and torch imports this one with ``torch._dynamo`` (DDP's constructor, the
+# first optimizer step), i.e. usually after the first attempt's ``init_process_group``
+GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",)
+
+
+def _unpin_default_groups() -> int:
+    """Replace the destroyed groups that functions keep as default arguments with ``None``
+    (which those functions take as "the default group", now the next attempt's); returns
+    how many were replaced.
+
+    Why: ``torch.distributed.nn.functional.all_gather(t)`` and the rest of torch's
+    differentiable collectives would otherwise keep using the first attempt's group after an
+    in-place recovery -- they raised "not initialized in the world group map" on every
+    survivor -- and keep it alive: its connections, its store client and its threads (on a
+    GPU, the aborted communicator) for the life of the process.
+    """
+    try:
+        from torch.distributed import ProcessGroup
+    except ImportError:
+        return 0
+    n = 0
+    for name in GROUP_DEFAULT_MODULES:
+        module = sys.modules.get(name)
+        for fn in list(vars(module).values()) if module is not None else ():
+            defaults = getattr(fn, "__defaults__", None)
+            if defaults and any(isinstance(d, ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d
+                                        for d in defaults)
+                n += 1
+    return n
