@@ -351,7 +351,8 @@ def test_torchs_functional_collectives_use_the_new_group_after_recovery(tmp_path
     default argument, fixed when torch imports them -- with ``torch._dynamo``, after the first
     attempt's ``init_process_group``.  After an in-place recovery they used the destroyed
     group ("not initialized in the world group map") and kept it alive: its listener,
-    connections and threads stayed in every survivor."""
+    connections and threads stayed in every survivor.  (``ShardedGradScaler``'s
+    ``process_group`` default likewise.)"""
     script = os.path.join(ROOT, "tests", "scripts", "functional_collectives.py")
     proc = subprocess.run(
         [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
@@ -363,6 +364,7 @@ def test_torchs_functional_collectives_use_the_new_group_after_recovery(tmp_path
     assert sorted(survivor) == [0, 1], (lines, proc.stderr[-3000:])
     assert survivor[0]["pid"] == survivor[1]["pid"], lines  # recovered in place
     assert survivor[1]["all_reduce"] == [2.0, 2.0], lines
+    assert survivor[1]["scaler_group_current"], lines  # ShardedGradScaler's default too
     # the first attempt's group is gone: its listener with it
     assert survivor[1]["listening"] == survivor[0]["listening"], lines
     assert proc.returncode == 0, proc.stderr[-3000:]

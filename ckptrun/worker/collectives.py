@@ -220,33 +220,51 @@ def forget_framework_groups() -> None:
 
 
 # modules whose functions take ``group=group.WORLD`` as a default argument: evaluated once,
-# at import -- and torch imports this one with ``torch._dynamo`` (DDP's constructor, the
-# first optimizer step), i.e. usually after the first attempt's ``init_process_group``
-GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",)
+# at import -- and torch imports them with ``torch._dynamo`` (DDP's constructor, the first
+# optimizer step) or the user's script does, often after the first attempt's
+# ``init_process_group``.  (Found by grepping torch for ``= group.WORLD`` defaults.)
+GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",
+                         "torch.distributed.fsdp.sharded_grad_scaler",
+                         "torch.distributed.optim.zero_redundancy_optimizer")
 
 
 def _unpin_default_groups() -> int:
-    """Replace the destroyed groups that functions keep as default arguments with ``None``
-    (which those functions take as "the default group", now the next attempt's); returns
-    how many were replaced.
+    """Replace the destroyed groups that functions (and classes' methods) of
+    :data:`GROUP_DEFAULT_MODULES` keep as default arguments with ``None`` -- which they take
+    as "the default group", now the next attempt's; returns how many functions changed.
 
     Why: ``torch.distributed.nn.functional.all_gather(t)`` and the rest of torch's
-    differentiable collectives would otherwise keep using the first attempt's group after an
-    in-place recovery -- they raised "not initialized in the world group map" on every
-    survivor -- and keep it alive: its connections, its store client and its threads (on a
-    GPU, the aborted communicator) for the life of the process.
+    differentiable collectives, or a ``ShardedGradScaler()``, would otherwise keep using the
+    first attempt's group after an in-place recovery -- the collectives raised "not
+    initialized in the world group map" on every survivor -- and keep it alive: its
+    connections, its store client and its threads (on a GPU, the aborted communicator) for
+    the life of the process.
     """
     try:
         from torch.distributed import ProcessGroup
     except ImportError:
         return 0
+
+    def unpin(fn: object) -> int:
+        changed = 0
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d
+                                    for d in defaults)
+            changed = 1
+        kw = getattr(fn, "__kwdefaults__", None)
+        if kw and any(isinstance(d, ProcessGroup) for d in kw.values()):
+            fn.__kwdefaults__ = {k: None if isinstance(d, ProcessGroup) else d
+                                 for k, d in kw.items()}
+            changed = 1
+        return changed
+
     n = 0
     for name in GROUP_DEFAULT_MODULES:
         module = sys.modules.get(name)
-        for fn in list(vars(module).values()) if module is not None else ():
-            defaults = getattr(fn, "__defaults__", None)
-            if defaults and any(isinstance(d, ProcessGroup) for d in defaults):
-                fn.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d
-                                        for d in defaults)
-                n += 1
+        for obj in list(vars(module).values()) if module is not None else ():
+            if isinstance(obj, type) and obj.__module__ == name:
+                n += sum(unpin(m) for m in vars(obj).values())
+            else:
+                n += unpin(obj)
     return n

@@ -1,5 +1,6 @@
 """A 2-rank @ckptrun.resilient loop that uses torch's differentiable collectives
-(``torch.distributed.nn.functional``, as contrastive losses do) with their default group.
+(``torch.distributed.nn.functional``, as contrastive losses do) with their default group,
+and FSDP's ``ShardedGradScaler`` with its default group.
 DDP's constructor imports them (through ``torch._dynamo``) after ``init_process_group``,
 so their ``group=group.WORLD`` defaults are the first attempt's group.  Rank 1 dies in
 attempt 0; rank 0 recovers in place.  Each rank prints, per attempt, what the functional
@@ -28,10 +29,14 @@ def train() -> None:
         got = F.all_reduce(torch.ones(2)).tolist()
     except Exception as exc:
         got = f"{type(exc).__name__}: {exc}"[:200]
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler_group = ShardedGradScaler(device="cpu").process_group
     listening = sum(c.status == psutil.CONN_LISTEN
                     for c in psutil.Process().net_connections("tcp"))
     print("[fc] " + json.dumps({"rank": rank, "attempt": attempt, "all_reduce": got,
-                                "listening": listening, "pid": os.getpid()}), flush=True)
+                                "listening": listening, "pid": os.getpid(),
+                                "scaler_group_current": scaler_group in (None, dist.group.WORLD)}), flush=True)
     for step in range(6):
         ddp(torch.ones(4, 8)).sum().backward()
         time.sleep(0.05)
