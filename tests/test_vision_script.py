@@ -9,6 +9,7 @@ drew from the restored RNG and dropout ran one position off: the weights differe
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -49,4 +50,21 @@ def test_a_data_worker_failure_recovers_bitwise(tmp_path, reference, failure, in
     # until it needs one of the stopped worker's
     last = 16 if failure == "--stop-worker-at" else 10
     assert restored and restored[0]["tier"] == "memory" and 9 <= restored[0]["step"] <= last
+    assert_bitwise(reference, torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+def test_a_loader_built_outside_the_function_recovers_in_place_bitwise(tmp_path, reference):
+    """A ``StatefulDataLoader`` with persistent workers made once per process, outside
+    ``@ckptrun.resilient`` (passed in, as docs/inplace.md allows for start-up worth keeping):
+    rank 1 is killed mid-epoch; rank 0 recovers in its own process, ``restore()`` puts the
+    loader it kept back to the restored step, and the run ends bitwise equal.  (torchdata
+    starts the loader's workers again when its state is loaded -- that is how their RNG
+    states go back -- so the workers themselves are new.)"""
+    pids = tmp_path / "pids.jsonl"
+    evts = ckptrun_job(str(tmp_path / "run"), SCRIPT, "--out", str(tmp_path / "out.pt"),
+                       "--crash-at", "10", "--in-place", "--loader-outside",
+                       "--pids", str(pids))
+    assert [r.get("in_place") for r in of(evts, "restart")] == [[0]], evts
+    seen = {d["attempt"]: d for d in map(json.loads, pids.read_text().splitlines())}
+    assert sorted(seen) == ["0", "1"] and seen["0"]["pid"] == seen["1"]["pid"], seen
     assert_bitwise(reference, torch.load(tmp_path / "out.pt", weights_only=True))

@@ -19,6 +19,7 @@ writes the model and the EMA model with ``torch.save``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -70,12 +71,29 @@ def main() -> None:
     p.add_argument("--kill-worker-at", type=int, default=-1)
     p.add_argument("--stop-worker-at", type=int, default=-1)
     p.add_argument("--in-place", action="store_true")
+    p.add_argument("--loader-outside", action="store_true",
+                   help="build the loader (and start its workers) once per process, outside "
+                        "the training function")
     p.add_argument("--out", default="")
+    p.add_argument("--pids", default="", help="rank 0 appends, at each attempt's first "
+                   "batch, its pid and its loader workers' pids to this file (JSON lines)")
     a = p.parse_args()
-    (ckptrun.resilient(train) if a.in_place else train)(a)
+    made = loader_parts() if a.loader_outside else None
+    (ckptrun.resilient(train) if a.in_place else train)(a, made)
 
 
-def train(a: argparse.Namespace) -> None:
+def loader_parts() -> tuple:
+    """The dataset, its sampler and the loader with its persistent workers."""
+    data = Images()
+    # rank and world from the environment: the group does not exist yet outside the function
+    sampler = DistributedSampler(data, num_replicas=int(os.environ["WORLD_SIZE"]),
+                                 rank=int(os.environ["RANK"]), shuffle=True, seed=1)
+    loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, num_workers=2,
+                                persistent_workers=True)
+    return data, sampler, loader
+
+
+def train(a: argparse.Namespace, made=None) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -83,14 +101,11 @@ def train(a: argparse.Namespace) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    data = Images()
-    sampler = DistributedSampler(data, shuffle=True, seed=1)
-    loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, num_workers=2,
-                                persistent_workers=True)
+    data, sampler, loader = made or loader_parts()
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.05, total_steps=a.epochs * len(loader))
     ckpt = ckptrun.Checkpointer({"model": ddp, "ema": ema, "optim": opt, "sched": sched,
                                  "data": loader})
-    step = ckpt.restore()
+    step = start = ckpt.restore()
     epoch = ckpt.get("epoch", 0)
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     while epoch < a.epochs:
@@ -103,6 +118,11 @@ def train(a: argparse.Namespace) -> None:
             sched.step()
             ema.update_parameters(model)
             step += 1
+            if rank == 0 and a.pids and step == start + 1:
+                with open(a.pids, "a") as f:
+                    f.write(json.dumps({"attempt": os.environ["TORCHELASTIC_RESTART_COUNT"],
+                                        "pid": os.getpid(), "workers": sorted(
+                                            w.pid for w in loader._iterator._workers)}) + "\n")
             ckpt.save(step, epoch=epoch)
             if rank == 1 and first:
                 fail(a, step, loader)
