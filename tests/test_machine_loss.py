@@ -28,6 +28,7 @@ from typing import List
 import pytest
 from conftest import ckptrun_cmd
 from machines import (
+    STEP_TIME,
     STEPS,
     assert_bitwise_equal,
     finish,
@@ -75,21 +76,27 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
     ``last_first``: in the reverse order (the last machine first); ``script_args``: more
     arguments of every machine's training script; ``nproc``: ranks per machine;
     ``late_s``: the replacements start that long after the loss."""
+    # a pacer measures after the job's first, cold rounds: ~13 s after the start here alone,
+    # over 20 s with a second test beside it -- when 120 steps of 0.1 s had ended the job
+    # before the loss; at 0.2 s a step the job waits for it (the weights do not depend on it)
+    step_time = "0.2" if measured else STEP_TIME
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
     common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
               "--max-restarts", "3", *extra_args]
     out = str(tmp_path / "final.pt")
     names = "abcdefgh"[:nnodes]
-    procs = [machine(tmp_path, names[0], common, out, script_args=script_args)]
+
+    def start(name: str, args=common):
+        return machine(tmp_path, name, args, out, script_args=script_args, step_time=step_time)
+
+    procs = [start(names[0])]
     newcomers: list = []
     try:
         wait_until(lambda: listening(port), 60, "the store host", procs)  # a hosts the store
-        procs += [machine(tmp_path, n, common, out, script_args=script_args)
-                  for n in names[1:]]
+        procs += [start(n) for n in names[1:]]
         survivors, lost = procs[:-victims], procs[-victims:]
-        spares = [machine(tmp_path, n, common + ["--standby"], out, script_args=script_args)
-                  for n in "st"[:standbys]]
+        spares = [start(n, common + ["--standby"]) for n in "st"[:standbys]]
 
         unmet: list = []  # the conditions not yet met, for the failure message
         started = time.monotonic()
@@ -144,8 +151,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
         for v in lost:
             v.wait(timeout=30)
         time.sleep(late_s)
-        newcomers = spares + [machine(tmp_path, n, common, out, script_args=script_args)
-                              for n in "xyz"[:max(0, victims - len(spares))]]
+        newcomers = spares + [start(n) for n in "xyz"[:max(0, victims - len(spares))]]
         host = survivors[0]
 
         def stepped():
