@@ -240,10 +240,10 @@ def _unpin_default_groups() -> int:
     connections, its store client and its threads (on a GPU, the aborted communicator) for
     the life of the process.
     """
-    try:
-        from torch.distributed import ProcessGroup
-    except ImportError:
+    modules = [sys.modules[m] for m in GROUP_DEFAULT_MODULES if m in sys.modules]
+    if not modules:  # none imported: nothing can hold a group (and no torch import here)
         return 0
+    from torch.distributed import ProcessGroup
 
     def unpin(fn: object) -> int:
         changed = 0
@@ -260,10 +260,9 @@ def _unpin_default_groups() -> int:
         return changed
 
     n = 0
-    for name in GROUP_DEFAULT_MODULES:
-        module = sys.modules.get(name)
-        for obj in list(vars(module).values()) if module is not None else ():
-            if isinstance(obj, type) and obj.__module__ == name:
+    for module in modules:
+        for obj in list(vars(module).values()):
+            if isinstance(obj, type) and obj.__module__ == module.__name__:
                 n += sum(unpin(m) for m in vars(obj).values())
             else:
                 n += unpin(obj)
