@@ -152,8 +152,6 @@ def reference_weights(tmp_path_factory) -> Callable[[int], dict]:
     one machine (computed once per world size)."""
     from conftest import shared_weights
 
-    cache: dict = {}
-
     def make(world: int, d) -> str:
         # the weights do not depend on the step time, and a run without a failure has
         # no use for warm spares: the reference pays for neither
@@ -162,13 +160,8 @@ def reference_weights(tmp_path_factory) -> Callable[[int], dict]:
         assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
         return str(d / "final.pt")
 
-    def get(world: int) -> dict:
-        if world not in cache:
-            cache[world] = shared_weights(tmp_path_factory, f"machines-ref{world}",
-                                          lambda d: make(world, d))
-        return cache[world]
-
-    return get
+    return lambda world: shared_weights(tmp_path_factory, f"machines-ref{world}",
+                                        lambda d: make(world, d))
 
 
 def assert_bitwise_equal(path: str, reference: dict) -> None:

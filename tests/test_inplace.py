@@ -232,14 +232,8 @@ def _equal(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The failure-free run's final weights at each world size, computed once."""
-    cache: Dict[int, dict] = {}
-
-    def get(nproc: int) -> dict:
-        if nproc not in cache:
-            cache[nproc] = shared_weights(tmp_path_factory, f"inplace-ref{nproc}",
-                                          lambda d: _run_ref(d, nproc))
-        return cache[nproc]
-    return get
+    return lambda nproc: shared_weights(tmp_path_factory, f"inplace-ref{nproc}",
+                                        lambda d: _run_ref(d, nproc))
 
 
 @pytest.mark.slow

@@ -207,7 +207,8 @@ def forget_framework_groups() -> None:
     ``AcceleratorState``, ``GradientState``): an ``Accelerator()`` made in the next attempt
     would take the old set-up as done and train with no process group.  The HF ``Trainer``
     resets them itself when its ``TrainingArguments`` are made; a plain accelerate loop does
-    not.  Lightning and DeepSpeed look at ``torch.distributed.is_initialized()``.
+    not.  Lightning and DeepSpeed look at ``torch.distributed.is_initialized()``.  torch
+    itself keeps the group as some functions' default argument: :func:`_unpin_default_groups`.
     """
     _unpin_default_groups()
     state = sys.modules.get("accelerate.state")

@@ -34,9 +34,10 @@ def train() -> None:
     scaler_group = ShardedGradScaler(device="cpu").process_group
     listening = sum(c.status == psutil.CONN_LISTEN
                     for c in psutil.Process().net_connections("tcp"))
+    current = scaler_group in (None, dist.group.WORLD)
     print("[fc] " + json.dumps({"rank": rank, "attempt": attempt, "all_reduce": got,
                                 "listening": listening, "pid": os.getpid(),
-                                "scaler_group_current": scaler_group in (None, dist.group.WORLD)}), flush=True)
+                                "scaler_group_current": current}), flush=True)
     for step in range(6):
         ddp(torch.ones(4, 8)).sum().backward()
         time.sleep(0.05)

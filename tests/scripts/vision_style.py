@@ -76,7 +76,7 @@ def main() -> None:
                         "the training function")
     p.add_argument("--out", default="")
     p.add_argument("--pids", default="", help="rank 0 appends, at each attempt's first "
-                   "batch, its pid and its loader workers' pids to this file (JSON lines)")
+                   "batch, the attempt and its pid to this file (JSON lines)")
     a = p.parse_args()
     made = loader_parts() if a.loader_outside else None
     (ckptrun.resilient(train) if a.in_place else train)(a, made)
@@ -121,8 +121,7 @@ def train(a: argparse.Namespace, made=None) -> None:
             if rank == 0 and a.pids and step == start + 1:
                 with open(a.pids, "a") as f:
                     f.write(json.dumps({"attempt": os.environ["TORCHELASTIC_RESTART_COUNT"],
-                                        "pid": os.getpid(), "workers": sorted(
-                                            w.pid for w in loader._iterator._workers)}) + "\n")
+                                        "pid": os.getpid()}) + "\n")
             ckpt.save(step, epoch=epoch)
             if rank == 1 and first:
                 fail(a, step, loader)
