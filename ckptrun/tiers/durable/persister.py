@@ -107,12 +107,15 @@ class Persister:
         """A new step was committed: check now instead of at the next poll."""
         self._wake.set()
 
-    def final(self, step: int, attempts: int = 3, holder: Optional[Holder] = None) -> bool:
+    def final(self, step: int, attempts: int = 3, holder: Optional[Holder] = None,
+              exact: bool = True) -> bool:
         """Persist ``step`` (the job's last) synchronously; True when it is durable.
 
         Waits for an in-flight background persist first.  Retries ``attempts`` times, then
         gives up with ``persist_failed`` -- never raises.  ``holder``: write what it holds
-        instead of a copy from the reader (see :meth:`_persist_held`).
+        instead of a copy from the reader (see :meth:`_persist_held`).  ``exact=False``: the
+        reader may settle on an earlier step (several machines: the newest step they all
+        hold, which is ``step`` or one before it after a preemption).
         """
         self._stopping.set()  # no new background persists from here on
         self._wake.set()
@@ -120,8 +123,11 @@ class Persister:
             if self._durable(step):
                 return True
             for attempt in range(attempts):
-                if self._persist_once(step, holder=holder):
+                done = self._persist_once(step, exact=exact, holder=holder)
+                if done:
                     return True
+                if done is None:
+                    break  # no step every machine holds: nothing to retry for
                 if _misconfigured(self._last_error):
                     break  # waiting cannot make the machines share storage: 6 s saved
                 if attempt + 1 < attempts:

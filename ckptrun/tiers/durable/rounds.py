@@ -8,8 +8,8 @@ attempts is a *round* ``r`` in the rendezvous store:
    all its local ranks committed; the round's step ``S`` lies a little after the newest any
    node posted (so no node can have overwritten it yet: workers keep only their newest
    commits) -- far enough ahead that every node is watching its slots when it is committed --
-   or -1 when that is older than ``want``; the final round of a finished job
-   takes the job's last step instead;
+   or -1 when that is older than ``want``; the final round of a finished (or preempted)
+   job takes the newest step every node holds instead;
 2. every node waits until its ranks commit ``S``, copies it out of the worker slots (pinned)
    and writes it as its *part*
    (:func:`ckptrun.tiers.durable.storage.write_parts`) -- the nodes write in parallel -- then posts the
@@ -79,13 +79,22 @@ class PersistRounds:
         k = f"{KEY}{self.round}/"
         self.store.set(k + "want", str(min_step))
         try:
-            newest = self._agree(k, self._newest())
-            step = self.final_step if self.final_step is not None else newest + self._lead()
-            if step < min_step:
-                self.store.set(k + "step", "-1")
-                return None
-            if self.final_step is None and self.every_steps:
-                step = -(-step // self.every_steps) * self.every_steps  # the next multiple
+            posted = self._agree(k, self._newest())
+            if self.final_step is not None:
+                # The job is over: the newest step every node holds.  A preempted job's
+                # machines were stopped independently, so one may be a step behind the
+                # leader (its ranks hold that step and the one before, never less).
+                step = min(self.final_step, *posted)
+                if step < 1:
+                    self.store.set(k + "step", "-1")
+                    return None
+            else:
+                step = max(posted) + self._lead()
+                if step < min_step:
+                    self.store.set(k + "step", "-1")
+                    return None
+                if self.every_steps:
+                    step = -(-step // self.every_steps) * self.every_steps  # the next multiple
             self.store.set(k + "step", str(step))
             return step, self._read_step(step)
         except JobEnded:
@@ -202,10 +211,10 @@ class PersistRounds:
         step = self.memory.newest_committed(self.ranks)
         return -1 if step is None else step
 
-    def _agree(self, k: str, newest: int) -> int:
-        """Post this node's newest step; returns the newest any node posted."""
+    def _agree(self, k: str, newest: int) -> List[int]:
+        """Post this node's newest step; returns the newest step of every node."""
         self.store.set(k + f"newest/{self.node}", str(newest))
-        return max(int(self._wait(k + f"newest/{g}")) for g in range(self.nnodes))
+        return [int(self._wait(k + f"newest/{g}")) for g in range(self.nnodes)]
 
     def _lead(self, seconds: float = 0.3) -> int:
         """How many steps ahead of the newest the round's step lies: about ``seconds`` of

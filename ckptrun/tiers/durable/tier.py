@@ -207,7 +207,7 @@ class DurableTier(Tier):
         assert self.persister is not None
         if self.rounds is None and self.persister.final(step, attempts=1, holder=self._hold):
             return
-        self.persister.final(step)
+        self.persister.final(step, exact=self.rounds is None)
 
     def _hold(self, step: int):
         """The persister's holder on one machine: the slots themselves, verified, pinned."""
