@@ -59,12 +59,14 @@ def free_port() -> int:
 def machine(tmp_path, name: str, agent_args, out: str, step_time: str = STEP_TIME,
             env=None, script_args=()) -> subprocess.Popen:
     """One machine: an agent in its own mount namespace with its own /dev/shm
-    (``script_args``: more arguments of the training script, e.g. ``--in-place``)."""
+    (``script_args``: more arguments of the training script, e.g. ``--in-place``).  Its
+    steps stop sleeping once the test calls :func:`hurry` (what it waited for is over)."""
     run_dir = str(tmp_path / name)
     cmd = [UNSHARE, "-m", "--propagation", "private", "sh", "-c",
            'mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && exec "$@"', name,
            sys.executable, "-m", "ckptrun.cli", *agent_args, "--run-dir", run_dir, SCRIPT,
-           "--steps", str(STEPS), "--step-time", step_time, "--out", out, *script_args]
+           "--steps", str(STEPS), "--step-time", step_time, "--out", out,
+           "--fast-after-file", str(tmp_path / "hurry"), *script_args]
     log = open(tmp_path / f"{name}.log", "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                          env=None if env is None else {**os.environ, **env})
@@ -72,6 +74,12 @@ def machine(tmp_path, name: str, agent_args, out: str, step_time: str = STEP_TIM
     p.run_dir = run_dir  # type: ignore[attr-defined]
     p.log_path = str(tmp_path / f"{name}.log")  # type: ignore[attr-defined]
     return p
+
+
+def hurry(tmp_path) -> None:
+    """The machines of this test train the rest of their steps without ``--step-time``
+    (after the recovery a test waits only for the job's end: up to 18 s of sleeping)."""
+    (tmp_path / "hurry").touch()
 
 
 def wait_until(pred, timeout: float, what, procs=()):

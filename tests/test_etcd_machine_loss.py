@@ -23,6 +23,7 @@ import pytest
 from machines import (
     assert_bitwise_equal,
     free_port,
+    hurry,
     machine,
     of,
     recovery,
@@ -143,6 +144,13 @@ def _two_machines(tmp_path, etcd_endpoint, standby: bool = False, script_args=()
     return procs, common, out, victim, procs["b" if victim == "a" else "a"]
 
 
+def _hurry_once_restored(tmp_path, survivor, procs) -> None:
+    """Once the survivor restored, the rest of the job need not sleep between steps."""
+    wait_until(lambda: of(survivor.run_dir, "restored"), 180, "the survivor's restore",
+               [survivor])
+    hurry(tmp_path)
+
+
 def _stop_all(procs) -> None:
     for p in procs.values():
         if p.poll() is None:
@@ -163,6 +171,7 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
         os.kill(procs[victim].pid, signal.SIGKILL)  # agent, workers (reaper), its memory
         procs[victim].wait(timeout=30)
         procs["c"] = machine(tmp_path, "c", common, out)
+        _hurry_once_restored(tmp_path, survivor, procs)
         codes = [p.wait(timeout=240) for p in (survivor, procs["c"])]
     finally:
         _stop_all(procs)
@@ -201,6 +210,7 @@ def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
                    list(procs.values()))
         os.kill(procs[victim].pid, signal.SIGKILL)  # agent, workers (reaper), its memory
         procs[victim].wait(timeout=30)
+        _hurry_once_restored(tmp_path, survivor, procs)
         codes = [p.wait(timeout=240) for p in (survivor, standby)]
     finally:
         _stop_all(procs)

@@ -33,6 +33,7 @@ from machines import (
     assert_bitwise_equal,
     finish,
     free_port,
+    hurry,
     listening,
     machine,
     of,
@@ -160,6 +161,7 @@ def lose_and_replace(tmp_path, extra_args, nnodes: int = 2, victims: int = 1,
                 w.get("step", 0) > restored[-1]["step"] for w in st.get("workers", []))
         wait_until(stepped, 180, "a's first step after the restore", survivors + newcomers)
         recovery_s = time.monotonic() - t_loss
+        hurry(tmp_path)
         codes = finish(survivors + newcomers, 180)
     finally:
         for p in procs + newcomers:

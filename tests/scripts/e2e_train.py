@@ -5,7 +5,8 @@ every committed slot of this rank, then SIGKILL -- no memory copy of this rank v
 restore must come from storage (or a peer).  ``--wipe-at N``: the same for every snapshot file
 of this machine's agent (its workers' slots and the copies it keeps): the machine's memory is
 gone, only other machines' copies are left.  ``--kill-agent-at N``: SIGKILL the agent (the parent process)
-after step N.
+after step N.  ``--fast-after-file PATH``: once PATH exists, the steps take no ``--step-time``
+(a multi-machine test has seen what it waited for; the weights do not depend on the sleep).
 """
 
 from __future__ import annotations
@@ -71,16 +72,22 @@ def corrupt_own_slots(step: int, machine: bool = False) -> int:
 def main() -> None:
     argv = sys.argv[1:]
     extra = {"--corrupt-at": -1, "--kill-agent-at": -1, "--wipe-at": -1}
-    for flag in extra:
+    fast_after = ""
+    for flag in [*extra, "--fast-after-file"]:
         if flag in argv:
             i = argv.index(flag)
-            extra[flag] = int(argv[i + 1])
+            if flag in extra:
+                extra[flag] = int(argv[i + 1])
+            else:
+                fast_after = argv[i + 1]
             del argv[i : i + 2]
     sys.argv = [sys.argv[0], *argv]
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     original = train.inject_failure
 
     def inject(args, step: int, rank: int) -> None:
+        if fast_after and args.step_time and os.path.exists(fast_after):
+            args.step_time = 0.0
         original(args, step, rank)
         if not first_attempt or rank != args.crash_rank:
             return
