@@ -1,8 +1,13 @@
-"""Lightning (strategy="ddp"), the HF Trainer (use_cpu, gloo) and a plain 🤗 Accelerate loop
-under ckptrun: rank 1 is SIGKILLed mid-run (in the second epoch, mid-epoch), the job restores
-from memory, and the final weights are bitwise equal to the failure-free run -- with rank 0
-restarted, or recovering in its own process under ``@ckptrun.resilient`` (``--in-place``).
-Each also runs under plain python (in-process snapshots)."""
+"""The framework examples: a plain 🤗 Accelerate loop under ckptrun -- rank 1 is SIGKILLed
+mid-run (in the second epoch, mid-epoch), the job restores from memory, and the final weights
+are bitwise equal to the failure-free run, with rank 0 restarted or recovering in its own
+process under ``@ckptrun.resilient`` (``--in-place``); and every example (Lightning, the HF
+Trainer, Accelerate) under plain python (in-process snapshots).
+
+Lightning's and the HF Trainer's callbacks are recovered the same two ways at 3 ranks by
+tests/test_framework_gpt_scripts.py, in scripts written the way users write them (loader
+workers, evaluation, accumulation); the examples' own runs of that here went to keep CI
+under 30 minutes."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ pytestmark = pytest.mark.slow
 JOBS = {"lightning": ("lightning_train.py", "lightning"),
         "transformers": ("hf_train.py", "transformers"),
         "accelerate": ("accelerate_train.py", "accelerate")}
+RECOVERED = ["accelerate"]  # the others: tests/test_framework_gpt_scripts.py
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
-@pytest.mark.parametrize("name", sorted(JOBS))
+@pytest.mark.parametrize("name", RECOVERED)
 def test_sigkill_restores_from_memory_bitwise(tmp_path, references, name, in_place):
     script, module = JOBS[name]
     pytest.importorskip(module)

@@ -57,15 +57,16 @@ def _job(tmp_path, name: str, nproc: int, *args: str):
 
 
 @pytest.mark.slow
-def test_plain_ddp_resumes_bitwise_after_a_sigkill_late_and_in_the_first_steps(tmp_path):
+def test_plain_ddp_resumes_bitwise_after_a_sigkill_in_the_first_steps(tmp_path):
     """examples/train.py (plain DDP, the model registered without its wrapper) at 4 ranks,
-    rank 1 killed after step 12 and restored from memory, ends with the failure-free run's
-    weights; so does a kill after step 2.  Snapshots of steps 1 and 2 are taken before
-    DDP's own regrouping shows (or happens): the adapter regroups at that save, so a
-    process restored from them reduces like the run it replaces.  (3 ranks end to end:
-    tests/test_machine_loss.py; a float sum over 2 ranks does not depend on the order.)"""
+    rank 1 killed after step 2 and restored from memory, ends with the failure-free run's
+    weights.  Snapshots of steps 1 and 2 are taken before DDP's own regrouping shows (or
+    happens): the adapter regroups at that save, so a process restored from them reduces
+    like the run it replaces.  (Later kills: restarted at 3 ranks in tests/test_check_soak.py
+    and tests/test_machine_loss.py, in place at up to 8 ranks in tests/test_inplace.py; a
+    float sum over 2 ranks does not depend on the order.)"""
     want, _ = _job(tmp_path, "reference", 4, "--steps", "16")
-    for crash_at, allowed in (("12", {11, 12}), ("2", {1, 2})):
+    for crash_at, allowed in (("2", {1, 2}),):
         got, evts = _job(tmp_path, f"crash{crash_at}", 4, "--steps", "16", "--crash-at",
                          crash_at)
         restored = [e for e in evts if e["event"] == "restored"]
