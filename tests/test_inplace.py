@@ -17,7 +17,7 @@ from typing import Dict
 
 import pytest
 import torch
-from conftest import shared_weights
+from conftest import SCRIPTS, shared_weights
 
 from ckptrun.agent.inplace import ask, await_unwound, hand_over, keepable
 from ckptrun.protocol import ControlBlock
@@ -412,10 +412,13 @@ def test_a_resilient_function_makes_nccl_errors_raise_instead_of_killing_it(tmp_
 def test_a_hot_spare_takes_the_failed_rank_without_the_scripts_start_up(tmp_path):
     """``--hot-spares``: a spare runs the script's start-up (2 s here, outside the resilient
     function) and waits at the function; the failed rank's replacement is that process."""
-    run_dir, out = tmp_path / "hot", tmp_path / "hot.pt"
+    run_dir, out, hurry = tmp_path / "hot", tmp_path / "hot.pt", tmp_path / "hurry"
+    # 0.25 s steps until the kill: the job must not end before the spare is ready (its
+    # imports and set-up under load); after it the steps need not sleep
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", "2",
-         "--hot-spares", "--run-dir", str(run_dir), TRAIN, "--width", "64", "--steps", "120",
+         "--hot-spares", "--run-dir", str(run_dir), os.path.join(SCRIPTS, "e2e_train.py"),
+         "--fast-after-file", str(hurry), "--width", "64", "--steps", "120",
          "--step-time", "0.25", "--setup-s", "2", "--in-place", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "CKPTRUN_SPARE_DELAY": "0"})
@@ -433,6 +436,7 @@ def test_a_hot_spare_takes_the_failed_rank_without_the_scripts_start_up(tmp_path
                 hot, victim = ready[0], workers[0]
         assert hot is not None, "no hot spare became ready"
         os.kill(victim["pid"], 9)
+        hurry.touch()
         stdout, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
