@@ -82,9 +82,10 @@ def test_rollback_of_a_live_job(tmp_path, reference):  # noqa: F811
     """`ckptrun restore --rollback N` (N an older durable step) while the job runs: every
     worker restarts from step N, the restart is not counted as a failure, and replaying the
     steps after N gives the same weights."""
-    run_dir, out = str(tmp_path / "run"), str(tmp_path / "final.pt")
-    # slow steps: the two CLI calls below (each imports torch) must land well before the end
-    proc = start_job(run_dir, out, "--step-time", "0.5",
+    run_dir, out, hurry = str(tmp_path / "run"), str(tmp_path / "final.pt"), tmp_path / "hurry"
+    # slow steps: the two CLI calls below (each imports torch) must land well before the end;
+    # once the rollback is asked for, the rest need not sleep
+    proc = start_job(run_dir, out, "--step-time", "0.5", "--fast-after-file", str(hurry),
                      ckptrun_args=["--persist-every", "5", "--keep", "100"])
     try:
         wait_status(run_dir, lambda s: (s["checkpoint"].get("persisted_step") or 0) >= 8
@@ -100,6 +101,7 @@ def test_rollback_of_a_live_job(tmp_path, reference):  # noqa: F811
                              str(target), "--run-dir", run_dir],
                             capture_output=True, text=True, timeout=60)
         assert rb.returncode == 0, rb.stderr
+        hurry.touch()
         _, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
