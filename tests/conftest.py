@@ -81,25 +81,29 @@ def ckptrun_run():
 # Modules whose tests time things or wait for timeouts that a second test running beside them
 # would stretch (hang detection, replication pacing, the fault soak, the benchmarks):
 # `make test` runs them alone, last.  Plain `pytest` runs everything one at a time.
+# A test elsewhere that does so is marked ``serial`` itself.
 SERIAL_MODULES = {
-    "test_multinode_replication", "test_hang_progress", "test_agent_hang", "test_check_soak",
-    "test_e2e_recovery", "test_pacing", "test_snapshot_interval",
+    "test_hang_progress", "test_agent_hang", "test_check_soak",
+    "test_pacing", "test_snapshot_interval",
     "test_benchmarks_machines", "test_benchmarks_quick", "test_benchmarks_recovery",
     "test_storage_bench", "test_beat_windows",
 }
 
-# The multi-machine scenarios (machine loss, etcd, the Slurm cluster, the store under attack):
-# their only timed check is a link-detected loss within 2 s, which holds with a second test
-# beside them (each runs ~1.6x longer: they are CPU-bound), so `make test` runs them two at a
-# time, between the rest and the serial modules.
+# The multi-machine scenarios (machine loss, etcd, the Slurm cluster, the store under attack,
+# replication) and the end-to-end recoveries: their timed checks (a link-detected loss within
+# 2 s, a crash seen within 3 s) hold with a second test beside them (each runs ~1.6x longer:
+# they are CPU-bound), so `make test` runs them two at a time, between the rest and the
+# serial modules.
 PAIRED_MODULES = {
     "test_machine_loss", "test_etcd_machine_loss", "test_slurm", "test_sec_store",
-    "test_agent_multinode",
+    "test_agent_multinode", "test_multinode_replication", "test_e2e_recovery",
 }
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
+        if item.get_closest_marker("serial") is not None:
+            continue  # marked in its module: it times something alone
         if item.path.stem in PAIRED_MODULES:
             item.add_marker(pytest.mark.paired)
         elif item.path.stem in SERIAL_MODULES:

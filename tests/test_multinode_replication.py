@@ -145,6 +145,7 @@ def test_durable_steps_are_written_by_every_machine(tmp_path, reference):
     no_shm_left(dirs)
 
 
+@pytest.mark.serial  # the slowdown it measures is the job's alone
 def test_rounds_are_paced_by_the_slowdown_they_cause(tmp_path):
     """The default --replication-budget 5%: the agents measure how much a round slows their
     workers.  Here the step is a sleep (a GPU-bound step: the CPU waits), so rounds cost
