@@ -184,8 +184,10 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
     assert_bitwise_equal(out, reference)
 
 
+# in place only: the takeover's agreement in etcd is the same with the survivors restarted,
+# which tests/test_machine_loss.py covers with torch's c10d store
 @pytest.mark.spares
-@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+@pytest.mark.parametrize("in_place", [True], ids=["in-place"])
 def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
                                                        tmp_path_factory, in_place):
     """``--standby`` with ``--rdzv-backend etcd-v2``: the standby waits in etcd's store
