@@ -144,7 +144,7 @@ def _two_machines(tmp_path, etcd_endpoint, standby: bool = False, script_args=()
     return procs, common, out, victim, procs["b" if victim == "a" else "a"]
 
 
-def _hurry_once_restored(tmp_path, survivor, procs) -> None:
+def _hurry_once_restored(tmp_path, survivor) -> None:
     """Once the survivor restored, the rest of the job need not sleep between steps."""
     wait_until(lambda: of(survivor.run_dir, "restored"), 180, "the survivor's restore",
                [survivor])
@@ -171,7 +171,7 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
         os.kill(procs[victim].pid, signal.SIGKILL)  # agent, workers (reaper), its memory
         procs[victim].wait(timeout=30)
         procs["c"] = machine(tmp_path, "c", common, out)
-        _hurry_once_restored(tmp_path, survivor, procs)
+        _hurry_once_restored(tmp_path, survivor)
         codes = [p.wait(timeout=240) for p in (survivor, procs["c"])]
     finally:
         _stop_all(procs)
@@ -184,22 +184,21 @@ def test_losing_group_rank_0_with_etcd_restores_from_peer_bitwise(tmp_path, etcd
     assert_bitwise_equal(out, reference)
 
 
-# in place only: the takeover's agreement in etcd is the same with the survivors restarted,
-# which tests/test_machine_loss.py covers with torch's c10d store
 @pytest.mark.spares
-@pytest.mark.parametrize("in_place", [True], ids=["in-place"])
-def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
-                                                       tmp_path_factory, in_place):
+def test_a_standby_takes_group_rank_0s_place_with_etcd_in_place(tmp_path, etcd_endpoint,
+                                                                tmp_path_factory):
     """``--standby`` with ``--rdzv-backend etcd-v2``: the standby waits in etcd's store
     (the takeover's agreement is a compare-and-set there), holds both machines' copies, and
     takes the place of group rank 0 -- whose loss ends a c10d job -- when its agent is
-    SIGKILLed; nobody is started after the loss, and the run ends bitwise exact.
-    ``in-place`` (``@ckptrun.resilient``): the survivor's rank goes on in its own process,
-    its process group re-formed with the standby's new rank 0 (the group's store moved)."""
+    SIGKILLed; nobody is started after the loss, and the run ends bitwise exact.  The
+    survivor's rank (``@ckptrun.resilient``) goes on in its own process, its process group
+    re-formed with the standby's new rank 0 (the group's store moved).  (With the survivors
+    restarted the takeover's agreement is the same: tests/test_machine_loss.py covers that
+    with torch's c10d store.)"""
     require_namespaces()
     reference = reference_weights(tmp_path_factory)(2)
     procs, _, out, victim, survivor = _two_machines(
-        tmp_path, etcd_endpoint, standby=True, script_args=["--in-place"] if in_place else [])
+        tmp_path, etcd_endpoint, standby=True, script_args=["--in-place"])
     standby = procs["s"]
     try:
         def ready() -> bool:
@@ -212,7 +211,7 @@ def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
                    list(procs.values()))
         os.kill(procs[victim].pid, signal.SIGKILL)  # agent, workers (reaper), its memory
         procs[victim].wait(timeout=30)
-        _hurry_once_restored(tmp_path, survivor, procs)
+        _hurry_once_restored(tmp_path, survivor)
         codes = [p.wait(timeout=240) for p in (survivor, standby)]
     finally:
         _stop_all(procs)
@@ -228,13 +227,13 @@ def test_a_standby_takes_group_rank_0s_place_with_etcd(tmp_path, etcd_endpoint,
     restarts = of(survivor.run_dir, "restart")
     assert len(restarts) == 1 and restarts[0].get("standby_took") == [0], restarts
     assert not of(survivor.run_dir, "worker_failed"), of(survivor.run_dir, "worker_failed")
-    if in_place:  # the survivor (rank 1) was not restarted
-        assert restarts[0].get("in_place") == [1], restarts
-        log = (tmp_path / f"{'a' if survivor is procs['a'] else 'b'}.log").read_text()
-        pids = set(re.findall(r"\[demo\] rank 1: attempt \d+ in pid (\d+)", log))
-        assert len(pids) == 1 and "rank 1: recovering in place into attempt 1" in log, log[-3000:]
-    for m in (standby,) if in_place else (survivor, standby):  # processes had imported torch
-        assert all(w["warm"] for w in status(m.run_dir)["workers"]), status(m.run_dir)
+    # the survivor (rank 1) was not restarted
+    assert restarts[0].get("in_place") == [1], restarts
+    log = (tmp_path / f"{'a' if survivor is procs['a'] else 'b'}.log").read_text()
+    pids = set(re.findall(r"\[demo\] rank 1: attempt \d+ in pid (\d+)", log))
+    assert len(pids) == 1 and "rank 1: recovering in place into attempt 1" in log, log[-3000:]
+    # the standby's process had imported torch
+    assert all(w["warm"] for w in status(standby.run_dir)["workers"]), status(standby.run_dir)
     lost = of(survivor.run_dir, "node_lost")
     assert lost[0]["detected_by"] == "link", lost
     print(f"\netcd standby: {recovery(survivor.run_dir, 'recovered')}")
