@@ -6,6 +6,9 @@ its MLP sized so that the model and AdamW's two moments are 64 MiB, 256 MiB or 1
 rank -- real training state, not padding -- in three cases, interleaved round by round:
 
 * ``torchrun, no checkpointing`` -- the baseline;
+* ``torchrun, torch.save at the end`` -- the same with one ``torch.save`` a rank of the
+  final state, as a torchrun script keeps what it trained: the start-up and shutdown that a
+  job which keeps its result costs (ckptrun's final persist is its counterpart);
 * ``torchrun, copy+hash every step (the floor)`` -- the work a snapshot at every step
   cannot avoid and nothing else (``FloorCopy`` in the job: the state copied into a
   pre-faulted buffer and hashed, overlapping the next step): on a machine whose cores the
@@ -55,6 +58,8 @@ COLUMNS = [("size", "state/rank", "str"), ("case", "case", "str"),
            ("step_s", "step s (slope)", "float"), ("ratio", "vs torchrun", "ratio"),
            ("met", "≤ 1.05x", "str"), ("vs_floor", "vs the floor", "ratio"),
            ("fixed_s", "fixed cost s", "float"),
+           ("over_s", "fixed cost over torchrun s", "float"),
+           ("over_saved_s", "over torchrun + torch.save s", "float"),
            ("first_s", "launch → 1st step s", "float"),
            ("warmup_s", "warm-up steps' extra s", "float"),
            ("end_s", "last step → exit s", "float"),
@@ -104,6 +109,8 @@ def _median_ms(out: Outcome, key: str) -> float:
 
 CASES: Dict[str, dict] = {
     "torchrun, no checkpointing": dict(launcher="torchrun", ckpt="none", job=[]),
+    "torchrun, torch.save at the end": dict(launcher="torchrun", ckpt="torchsave", job=[],
+                                            final_save=True),
     "torchrun, copy+hash every step (the floor)": dict(launcher="torchrun", ckpt="floor",
                                                        job=[]),
     "ckptrun, save() every step": dict(launcher="ckptrun", ckpt="ckptrun", job=[]),
@@ -134,10 +141,12 @@ def one_run(case: dict, hidden: int, steps: int, root: str, warm_bytes: int = 0)
     work = tempfile.mkdtemp(prefix="steady-", dir=root)
     try:
         warm_s = warm_memory(warm_bytes) if warm_bytes else None
+        final = (["--ckpt-dir", f"{work}/saved", "--save-every", str(steps)]
+                 if case.get("final_save") else [])
         spec = Launch(case["launcher"],
                       ["--ckpt", case["ckpt"], "--steps", str(steps), "--hidden", str(hidden),
                        "--layers", str(LAYERS), "--batch", "64", "--state-mb", "0",
-                       *case["job"]],
+                       *case["job"], *final],
                       env={"CKPTRUN_WARM_SPARES": "0", "OMP_NUM_THREADS": "1"},
                       max_restarts=0)
         out = launch(spec, work, timeout_s=1800.0)
@@ -215,4 +224,13 @@ def _rows(size: str, hidden: int, steps: int, samples: Dict[str, List[dict]]) ->
     for row in out:  # the every-step case against the least a snapshot every step costs
         if floor and row["case"] == "ckptrun, save() every step" and "step_s" in row:
             row["vs_floor"] = float(row["step_s"]) / float(floor["step_s"])
+    # The issue's start-up goal: ckptrun's fixed cost within torchrun's + 1 s -- against the
+    # bare job and against one that keeps its result (torch.save at the end).
+    fixed = {r["case"]: float(r["fixed_s"]) for r in out if "fixed_s" in r}
+    for row in out:
+        if "fixed_s" in row and str(row["case"]).startswith("ckptrun"):
+            for key, base_case in (("over_s", "torchrun, no checkpointing"),
+                                   ("over_saved_s", "torchrun, torch.save at the end")):
+                if base_case in fixed:
+                    row[key] = float(row["fixed_s"]) - fixed[base_case]
     return out
