@@ -29,11 +29,12 @@ test: $(VENV)/.installed test-services
 	@# tests that time things alone (the `serial` mark, tests/conftest.py); every part always
 	@# runs; exit code 5 is "this part selected no test" (a PYTEST_ARGS subset)
 	@# --durations: CI must stay under 30 minutes on 2 cores; the slowest tests show where it goes
-	@status=0; \
+	@# one directory for the failure-free reference runs the three parts share (tests/conftest.py)
+	@status=0; shared=$$(mktemp -d); export CKPTRUN_TEST_SHARED_DIR=$$shared; \
 	$(PY) -m pytest -n 2 -m "not serial and not paired" --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	$(PY) -m pytest -n 2 -m paired --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	$(PY) -m pytest -m serial --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
-	exit $$status
+	rm -rf "$$shared"; exit $$status
 
 # A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its
 # own server on loopback ports), and Debian's Slurm for tests/test_slurm.py (the test starts

@@ -42,9 +42,13 @@ def job_shm_files(run_dir: str) -> List[str]:
     return [p for t in tokens if t for p in glob.glob(f"/dev/shm/ckptrun-{t}-*")]
 
 
+ENV_SHARED = "CKPTRUN_TEST_SHARED_DIR"
+
+
 def shared_weights(tmp_path_factory, key: str, make: Callable[[pathlib.Path], str]) -> dict:
-    """The weights in the file ``make(directory)`` writes -- made once per test session and
-    ``key``, by whichever xdist worker asks first, the other waiting for it.
+    """The weights in the file ``make(directory)`` writes -- made once per test session (per
+    ``make test`` where it names :data:`ENV_SHARED`) and ``key``, by whichever xdist worker
+    asks first, the other waiting for it.
 
     Why: the failure-free reference runs are module fixtures, and tests of one module run on
     both workers, so each worker ran every reference it needed -- the same CPU-seconds twice
@@ -56,6 +60,11 @@ def shared_weights(tmp_path_factory, key: str, make: Callable[[pathlib.Path], st
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the session's directory, above each worker's own
     root = base / "shared"
+    # `make test` runs pytest three times (two at a time, paired, serial) over the same code:
+    # it names one directory for all three, so that a reference made by one part serves the
+    # next instead of being trained again
+    if os.environ.get(ENV_SHARED):
+        root = pathlib.Path(os.environ[ENV_SHARED])
     root.mkdir(exist_ok=True)
     d, done = root / key, root / f"{key}.done"
     with open(root / f"{key}.lock", "w") as lock:
