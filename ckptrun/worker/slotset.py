@@ -23,6 +23,7 @@ from ckptrun.protocol import (
     SlotState,
     create_shm_file,
     data_offset_for,
+    fill_zeros,
     open_private,
     open_shm_file,
     slot_path,
@@ -170,8 +171,10 @@ class SlotSet:
                 # Grow in place (same inode): a reader holding the old map stays valid.
                 fd = open_private(path, os.O_RDWR)
                 try:
+                    old = os.fstat(fd).st_size
                     os.ftruncate(fd, size)
-                    os.posix_fallocate(fd, 0, size)
+                    os.posix_fallocate(fd, 0, size)  # any hole before the old end too
+                    fill_zeros(fd, old, size)
                 finally:
                     os.close(fd)
                 self.mms[k] = open_shm_file(path, populate=True)
