@@ -25,14 +25,15 @@ test: $(VENV)/.installed test-services
 	@# where PYTHONDONTWRITEBYTECODE is set: every agent, worker and reaper the tests start
 	@# would compile the package from source again
 	@$(PY) -m compileall -q ckptrun adapters >/dev/null
-	@# two at a time, then the machine-loss scenarios two at a time (the `paired` mark), then the
+	@# two at a time (tests sharing a reference run on one worker, longest first: tests/conftest.py),
+	@# then the machine-loss scenarios two at a time (the `paired` mark), then the
 	@# tests that time things alone (the `serial` mark, tests/conftest.py); every part always
 	@# runs; exit code 5 is "this part selected no test" (a PYTEST_ARGS subset)
 	@# --durations: CI must stay under 30 minutes on 2 cores; the slowest tests show where it goes
 	@# one directory for the failure-free reference runs the three parts share (tests/conftest.py)
 	@status=0; shared=$$(mktemp -d); export CKPTRUN_TEST_SHARED_DIR=$$shared; \
-	$(PY) -m pytest -n 2 -m "not serial and not paired" --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
-	$(PY) -m pytest -n 2 -m paired --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial and not paired" --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	$(PY) -m pytest -n 2 --dist loadgroup -m paired --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	$(PY) -m pytest -m serial --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	rm -rf "$$shared"; exit $$status
 

@@ -109,14 +109,35 @@ PAIRED_MODULES = {
 }
 
 
+# Modules whose tests share a failure-free reference run (:func:`shared_weights`), longest
+# first: each runs on one xdist worker, one test after the other (`make test` passes
+# ``--dist loadgroup``).  Spread over both workers, two tests asked for the same reference at
+# once and one of the two cores waited for the other to train it (up to ~30 s each time).
+GROUPED_MODULES = ("test_framework_gpt_scripts", "test_inplace", "test_preemption",
+                   "test_adapters_frameworks", "test_vision_script")
+
+
+def _schedule_key(item) -> tuple:
+    """Longest work first, so that the end of a part is short tests on both workers rather
+    than one long test on one while the other waits: the grouped modules, then the tests
+    marked ``slow``, then the rest (collection order within each)."""
+    stem = item.path.stem
+    if stem in GROUPED_MODULES:
+        return (0, GROUPED_MODULES.index(stem))
+    return (1 if item.get_closest_marker("slow") is not None else 2, 0)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
+        if item.path.stem in GROUPED_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("serial") is not None:
             continue  # marked in its module: it times something alone
         if item.path.stem in PAIRED_MODULES:
             item.add_marker(pytest.mark.paired)
         elif item.path.stem in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+    items.sort(key=_schedule_key)  # stable: collection order within a key
 
 
 @pytest.fixture(autouse=True)
