@@ -153,6 +153,13 @@ def _cold_restarts_unless_marked(request, monkeypatch):
         monkeypatch.setenv("CKPTRUN_WARM_SPARES", "0")
 
 
+# One OpenMP thread a worker, as torchrun gives every worker of a multi-rank machine: the
+# simulated machines run one rank each, which torch would give two intra-op threads on this
+# 2-core machine, and four to eight such workers beside a second test spun on each other --
+# a machine-loss test used 20% more CPU without it.  The launcher's own default is tested
+# with the variable unset (tests/test_agent_env.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Every job the tests start has a job secret, as a user's multi-machine job must; set for the
 # whole session (module- and session-scoped fixtures start jobs before any function-scoped
 # fixture runs).  The tests of a job without one remove it themselves.

@@ -54,7 +54,10 @@ def test_status_of_running_and_finished_job(tmp_path):
         while time.time() < deadline and job.poll() is None:
             if (run_dir / "status.json").exists():
                 st = _status(run_dir)
-                if st["state"] == "running" and all((w.get("step") or -1) > 0 for w in st["workers"]):
+                # the workers report their step as they train; the agent reports a memory
+                # step once it has seen a committed snapshot, up to a status period later
+                if st["state"] == "running" and all((w.get("step") or -1) > 0 for w in st["workers"]) \
+                        and (st.get("checkpoint", {}).get("memory_step") or 0) > 0:
                     break
             time.sleep(0.5)
         assert job.poll() is None, job.stdout.read()
