@@ -173,8 +173,9 @@ class SlotSet:
                 try:
                     old = os.fstat(fd).st_size
                     os.ftruncate(fd, size)
-                    os.posix_fallocate(fd, 0, size)  # any hole before the old end too
-                    fill_zeros(fd, old, size)
+                    if old:  # any hole before the old end (a no-op where it is all there)
+                        os.posix_fallocate(fd, 0, old)
+                    fill_zeros(fd, old, size)  # the new part: allocated by the writes
                 finally:
                     os.close(fd)
                 self.mms[k] = open_shm_file(path, populate=True)
