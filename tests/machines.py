@@ -141,7 +141,13 @@ def recovery(run_dir, name: str = "restored") -> dict:
     evts = run_events(run_dir)
     lost = [e["time"] for e in evts if e["event"] == "node_lost"]
     after = [e for e in evts if e["event"] == name and (not lost or e["time"] > lost[0])]
-    assert after, (name, [e for e in evts if e["event"] not in ("heartbeat", "persisted")])
+    if not after:  # rare (CI once, 2026-12-06): say everything this machine knows
+        st = status(run_dir)
+        raise AssertionError(
+            f"no {name!r} event in {run_dir}: events "
+            f"{[e for e in evts if e['event'] not in ('heartbeat', 'persisted')]}; status "
+            f"{ {k: st.get(k) for k in ('state', 'attempt', 'restore', 'workers')} }; log "
+            f"tail:\n{_tail(run_dir + '.log', 3000)}")
     return after[0]
 
 
