@@ -6,6 +6,8 @@ import glob
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -99,6 +101,21 @@ def test_wrong_secret_is_refused(token, server):
     time.sleep(0.2)
     assert server.refused
     assert server.store.latest(3) is None
+
+
+def test_a_peer_that_dies_in_the_handshake_is_not_called_an_intruder(server):
+    """A machine lost while it connects leaves the server a closed or reset connection
+    (every machine-loss test made one): no ``replication_refused`` -- that is for a peer
+    that sent something without the job's key (the test above)."""
+    for reset in (False, True):
+        with socket.create_connection(server.address, timeout=10) as s:
+            assert len(s.recv(32)) == 32  # the challenge
+            if reset:  # RST instead of FIN, as a killed process's socket may end
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with socket.create_connection(server.address, timeout=10):
+        pass  # before even reading the challenge
+    time.sleep(0.3)
+    assert server.refused == []
 
 
 def test_corrupted_source_never_becomes_a_copy(token, server):

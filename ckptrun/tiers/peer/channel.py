@@ -123,12 +123,17 @@ class Channel:
         return self._rx_count.to_bytes(12, "big")
 
 
+class PeerClosed(ConnectionError):
+    """The other end closed the connection (it stopped, or its machine is gone)."""
+
+
 def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``, all of it, or ConnectionError if the peer closes first."""
+    """Fill ``view`` from ``sock``, all of it, or :class:`PeerClosed` if the peer closes
+    first."""
     while len(view):
         got = sock.recv_into(view)
         if got == 0:
-            raise ConnectionError("peer closed the connection")
+            raise PeerClosed("peer closed the connection")
         view = view[got:]
 
 

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
+from ckptrun.tiers.peer.channel import PeerClosed
 from ckptrun.tiers.peer.copies import MapCache, PeerStore, done_with_map
 from ckptrun.tiers.peer.wire import (
     AuthError,
@@ -133,6 +134,14 @@ class ReplicaServer:
         tune_socket(conn)
         try:
             node, ch = server_handshake(conn, self._secret)
+        except (PeerClosed, ConnectionResetError, BrokenPipeError, TimeoutError) as e:
+            # gone before it said who it is: a peer agent that died mid-connect (every
+            # machine loss made one) is not an intruder, and one that only connects and
+            # leaves learned nothing -- a refusal is for what a peer sent
+            log.debug("replica connection from %s:%s ended in the handshake: %s",
+                      peer[0], peer[1], e)
+            conn.close()
+            return
         except (AuthError, ConnectionError, ValueError, OSError) as e:
             self._refusals.report(f"{peer[0]}:{peer[1]}", str(e))
             conn.close()
