@@ -495,6 +495,40 @@ def test_a_round_stopped_while_a_machine_is_silent_is_no_failed_persist(tmp_path
     assert events == [] and persister.status()["last_error"] is None
 
 
+def test_a_round_stopped_while_its_step_is_awaited_is_no_failed_persist(tmp_path):
+    """The round's step was agreed and the leader waits for its ranks to commit it when a
+    machine is lost and the tier is stopped: abandoned, not ``persisting step 15 failed:
+    reading the memory tier: KeyError: step 15 is not (or no longer) in this node's
+    memory`` (every machine-loss test with --persist-to printed it)."""
+    import torch.distributed as dist
+
+    from ckptrun.tiers.durable.rounds import KEY, PersistRounds
+
+    class Behind:  # this node's ranks committed step 3, and never get further
+        def newest_committed(self, ranks):
+            return 3
+
+        def headers(self, rank):
+            return {}
+
+        def steps(self, rank):
+            return {3: 0}
+
+    store = dist.HashStore()
+    store.set(f"{KEY}1/newest/1", "3")  # machine 1 answered the round, then was lost
+    events: list = []
+    rounds = PersistRounds(store, 0, 2, [0], Behind(),
+                           lambda e, **f: events.append(e), str(tmp_path / "durable"))
+    persister = Persister(str(tmp_path / "durable"), reader=rounds.read, world_size=2,
+                          emit=lambda e, **f: events.append(e))
+    threading.Timer(0.3, rounds.stop).start()
+    t0 = time.monotonic()
+    assert persister._persist_once(1, exact=False) is None
+    assert time.monotonic() - t0 < 5
+    assert store.get(f"{KEY}1/step") == b"5"  # the round did agree a step
+    assert events == [] and persister.status()["last_error"] is None
+
+
 def test_a_preempted_two_machine_job_persists_the_newest_step_both_hold(tmp_path):
     """Slurm preempts a job by signalling every machine on its own: when the agents stop,
     one machine's ranks may have committed a step more than the other's.  The final round

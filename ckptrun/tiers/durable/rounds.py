@@ -239,8 +239,9 @@ class PersistRounds:
                 return {r: self.memory.read(r, step) for r in self.ranks}
             if self._done.is_set():
                 raise JobEnded(f"the job ended before step {step}")
-            if any(h and min(h) > step for h in held) or time.monotonic() > deadline \
-                    or self._stop.is_set():
+            if self._stop.is_set():  # a machine lost: the job re-forms, the step never comes
+                raise RoundStopped(f"stopped while waiting for step {step}")
+            if any(h and min(h) > step for h in held) or time.monotonic() > deadline:
                 raise KeyError(f"step {step} is not (or no longer) in this node's memory")
             time.sleep(0.002)
 
