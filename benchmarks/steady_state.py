@@ -107,10 +107,11 @@ def _median_ms(out: Outcome, key: str) -> float:
     return statistics.median(recs) * 1e3 if recs else float("nan")
 
 
+BARE = "torchrun, no checkpointing"
+SAVED = "torchrun, torch.save at the end"
 CASES: Dict[str, dict] = {
-    "torchrun, no checkpointing": dict(launcher="torchrun", ckpt="none", job=[]),
-    "torchrun, torch.save at the end": dict(launcher="torchrun", ckpt="torchsave", job=[],
-                                            final_save=True),
+    BARE: dict(launcher="torchrun", ckpt="none", job=[]),
+    SAVED: dict(launcher="torchrun", ckpt="torchsave", job=[], final_save=True),
     "torchrun, copy+hash every step (the floor)": dict(launcher="torchrun", ckpt="floor",
                                                        job=[]),
     "ckptrun, save() every step": dict(launcher="ckptrun", ckpt="ckptrun", job=[]),
@@ -229,8 +230,7 @@ def _rows(size: str, hidden: int, steps: int, samples: Dict[str, List[dict]]) ->
     fixed = {r["case"]: float(r["fixed_s"]) for r in out if "fixed_s" in r}
     for row in out:
         if "fixed_s" in row and str(row["case"]).startswith("ckptrun"):
-            for key, base_case in (("over_s", "torchrun, no checkpointing"),
-                                   ("over_saved_s", "torchrun, torch.save at the end")):
+            for key, base_case in (("over_s", BARE), ("over_saved_s", SAVED)):
                 if base_case in fixed:
                     row[key] = float(row["fixed_s"]) - fixed[base_case]
     return out
