@@ -21,12 +21,14 @@ from conftest import SCRIPTS, run_events
 from ckptrun.cli.status import load_status
 
 SCRIPT = os.path.join(SCRIPTS, "e2e_train.py")
-# 12 s of training: the tests wait (at step 10) for a durable step, for every peer to hold
-# a copy and for every agent's pacer to have measured a round's cost before they kill
-# machines; on a loaded 2-core machine 40 steps (CI once) and then 80 (CI, 2026-12-05) were
-# over before all of that was reported (alone: step 10 after 6-11 s, every pacer measured
-# after 9-12 s, i.e. by step ~40)
-STEPS = 120
+# 20 s of training (40 s at the 0.2 s steps of the tests that wait for the pacers): the
+# tests wait (at step 10) for a durable step, for every peer to hold a copy and for every
+# agent's pacer to have measured a round's cost before they kill machines; on a loaded
+# 2-core machine 40 steps (CI once), 80 (CI, 2026-12-05) and 120 (the standby test beside
+# another, 2026-12-07: its pacers unmeasured after 24 s) were over before all of that was
+# reported (alone: step 10 after 6-11 s, every pacer measured after 9-12 s).  The steps
+# after the test is ready do not sleep: the extra ones cost ~25 ms each
+STEPS = 200
 STEP_TIME = "0.1"
 UNSHARE = shutil.which("unshare")
 
@@ -174,7 +176,7 @@ def reference_weights(tmp_path_factory) -> Callable[[int], dict]:
         assert finish([p], 180) == [0], (d / "ref.log").read_text()[-3000:]
         return str(d / "final.pt")
 
-    return lambda world: shared_weights(tmp_path_factory, f"machines-ref{world}",
+    return lambda world: shared_weights(tmp_path_factory, f"machines-ref{world}-{STEPS}",
                                         lambda d: make(world, d))
 
 
