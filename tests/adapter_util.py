@@ -27,11 +27,40 @@ def ckptrun_job(run_dir: str, script: str, *args: str, nproc: int = 2,
     run's events."""
     # a job without an injected failure has no use for warm spares
     failing = any(a.startswith("--crash") for a in args)
-    run([sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", str(nproc),
-         "--run-dir", run_dir, *launcher, os.path.join(SCRIPTS, script), *args],
-        env=None if failing else {"CKPTRUN_WARM_SPARES": "0"})
+    try:
+        run([sys.executable, "-m", "ckptrun.cli", "--standalone", "--nproc-per-node", str(nproc),
+             "--run-dir", run_dir, *launcher, os.path.join(SCRIPTS, script), *args],
+            env=None if failing else {"CKPTRUN_WARM_SPARES": "0"})
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the job ran past its time; {_what_it_did(run_dir)}") from None
+    return _events(run_dir)
+
+
+def _events(run_dir: str) -> List[dict]:
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _what_it_did(run_dir: str) -> str:
+    """A timed-out job's events, workers' status and the last lines each rank and each
+    stack dump wrote (a hang in CI must say where it stood)."""
+    out = []
+    try:
+        out.append(f"events: {_events(run_dir)}")
+        with open(os.path.join(run_dir, "status.json")) as f:
+            status = json.load(f)
+        out.append(f"workers: {status.get('workers')}")
+    except (OSError, ValueError):
+        pass
+    for sub in ("logs", "stacks"):
+        for root, _, files in sorted(os.walk(os.path.join(run_dir, sub))):
+            for name in sorted(files):
+                with open(os.path.join(root, name), errors="replace") as f:
+                    tail = f.read()[-1500:]
+                if tail.strip():
+                    out.append(f"--- {os.path.relpath(os.path.join(root, name), run_dir)}:\n"
+                               f"{tail}")
+    return "\n".join(out)
 
 
 def torchrun_job(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:

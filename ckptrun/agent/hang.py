@@ -11,8 +11,9 @@ it names the ranks that started a process which is stopped (a data-loader worker
 signal or a debugger: its rank waits for a batch, the others in the next collective), or, when
 there is none (a deadlock), them all.
 
-Only a worker that has heartbeat at least once is watched: a plain torchrun script that
-never imports ckptrun has no heartbeat and must never be killed as hung.  The timeout is
+Only a worker that has heartbeat at least once is watched (a ``save()``, a ``heartbeat()``, or a
+``restore()`` -- the loop starts there): a plain torchrun script that never imports ckptrun
+has no heartbeat and must never be killed as hung.  The timeout is
 either fixed (``--hang-timeout N``) or learned (``auto``) from the step times (intervals
 between heartbeats): a generous window until the second beat (start-up, first compile,
 first collective), then ``max(floor, factor * median interval between beats)``.  A worker

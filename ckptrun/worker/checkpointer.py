@@ -309,6 +309,10 @@ class Checkpointer:
             step = int(plan.get("step", 0))
             if step <= 0:
                 self._ctl("restored_step", 0)
+                # a beat: the loop starts now, and a hang before its first save (a deadlock
+                # in the first step, a data-loader worker that never answers) is caught
+                # like one after it -- not watched at all, it held a job for hours
+                self._set_phase(Phase.RUNNING)
                 return 0
             self._set_phase(Phase.RESTORING, step)
             k = self._slots.find(step)
