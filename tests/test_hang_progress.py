@@ -104,27 +104,18 @@ def test_a_stopped_rank_is_caught_within_the_timeout_and_named(tmp_path, ckptrun
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
 
 
-def test_a_deadlock_is_caught_and_names_both_ranks(tmp_path, ckptrun_run):
+@pytest.mark.parametrize("at", [3, 0])
+def test_a_deadlock_is_caught_and_names_both_ranks(tmp_path, ckptrun_run, at):
+    """After step 3, or right after ``restore()`` found nothing, before the first save (CI
+    once: a Lightning job stuck in its first batches held the machine for minutes, unwatched
+    until a worker had saved)."""
     run_dir = str(tmp_path / "run")
     p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--hang-timeout", "2",
-                    "--run-dir", run_dir, JOB, "--mode", "deadlock")
-    assert p.returncode == 0, p.stderr[-3000:]
-    evts = run_events(run_dir)
-    hangs = of(evts, "hang_detected")
-    assert sorted((e["rank"], e["why"]) for e in hangs) == [(0, "deadlock"), (1, "deadlock")]
-    assert of(evts, "finished")[-1]["exit_code"] == 0
-
-
-def test_a_deadlock_before_the_first_save_is_caught(tmp_path, ckptrun_run):
-    """``restore()`` found nothing and the first step never ends (CI once: a Lightning job
-    stuck in its first batches held the machine for minutes): a worker that has called
-    ``restore()`` is watched, not only one that has saved."""
-    run_dir = str(tmp_path / "run")
-    p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--hang-timeout", "2",
-                    "--run-dir", run_dir, JOB, "--mode", "deadlock", "--at", "0")
+                    "--run-dir", run_dir, JOB, "--mode", "deadlock", "--at", str(at))
     assert p.returncode == 0, p.stderr[-3000:]
     evts = run_events(run_dir)
     hangs = of(evts, "hang_detected")
     assert sorted((e["rank"], e["why"]) for e in hangs) == [(0, "deadlock"), (1, "deadlock")]
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
     assert "rank 0 done at step 6" in p.stdout
+    assert of(evts, "finished")[-1]["exit_code"] == 0
