@@ -311,7 +311,8 @@ class Checkpointer:
                 self._ctl("restored_step", 0)
                 # a beat: the loop starts now, and a hang before its first save (a deadlock
                 # in the first step, a data-loader worker that never answers) is caught
-                # like one after it -- not watched at all, it held a job for hours
+                # like one after it -- unwatched, such a job sat silent until its
+                # collectives timed out
                 self._set_phase(Phase.RUNNING)
                 return 0
             self._set_phase(Phase.RESTORING, step)
