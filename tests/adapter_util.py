@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from typing import Dict, List, Sequence
 
 import torch
+from conftest import file_tail, run_events, run_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "examples")  # the adapter examples double as test jobs
@@ -33,30 +33,19 @@ def ckptrun_job(run_dir: str, script: str, *args: str, nproc: int = 2,
             env=None if failing else {"CKPTRUN_WARM_SPARES": "0"})
     except subprocess.TimeoutExpired:
         raise AssertionError(f"the job ran past its time; {_what_it_did(run_dir)}") from None
-    return _events(run_dir)
-
-
-def _events(run_dir: str) -> List[dict]:
-    with open(os.path.join(run_dir, "events.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    evts = run_events(run_dir)
+    assert evts, f"the job wrote no events into {run_dir}"
+    return evts
 
 
 def _what_it_did(run_dir: str) -> str:
     """A timed-out job's events, workers' status and the last lines each rank and each
     stack dump wrote (a hang in CI must say where it stood)."""
-    out = []
-    try:
-        out.append(f"events: {_events(run_dir)}")
-        with open(os.path.join(run_dir, "status.json")) as f:
-            status = json.load(f)
-        out.append(f"workers: {status.get('workers')}")
-    except (OSError, ValueError):
-        pass
+    out = [f"events: {run_events(run_dir)}", f"workers: {run_status(run_dir).get('workers')}"]
     for sub in ("logs", "stacks"):
         for root, _, files in sorted(os.walk(os.path.join(run_dir, sub))):
             for name in sorted(files):
-                with open(os.path.join(root, name), errors="replace") as f:
-                    tail = f.read()[-1500:]
+                tail = file_tail(os.path.join(root, name), 1500)
                 if tail.strip():
                     out.append(f"--- {os.path.relpath(os.path.join(root, name), run_dir)}:\n"
                                f"{tail}")

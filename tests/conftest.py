@@ -10,7 +10,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import pytest
 
@@ -30,6 +30,24 @@ def run_events(run_dir: str) -> List[dict]:
             return [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         return []
+
+
+def run_status(run_dir: str) -> dict:
+    """``<run_dir>/status.json`` as a dict ({} when absent or unreadable)."""
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def file_tail(path: Optional[str], n: int = 4000) -> str:
+    """The last ``n`` characters of a file ("" when there is none): a failed test's log."""
+    try:
+        with open(path or "", errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
 
 
 def job_shm_files(run_dir: str) -> List[str]:

@@ -5,7 +5,6 @@ workers) really loses every snapshot it held.  Shared by ``test_machine_loss.py`
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -16,7 +15,8 @@ from typing import Callable, List, Optional
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_events
+from conftest import SCRIPTS, file_tail, run_events
+from conftest import run_status as status
 
 from ckptrun.cli.status import load_status
 
@@ -95,12 +95,12 @@ def wait_until(pred, timeout: float, what, procs=()):
             return got
         for p in procs:
             assert p.poll() is None, (f"{_say(what)}: a machine exited early ({p.returncode}): "
-                                      + _tail(getattr(p, "log_path", None)))
+                                      + file_tail(getattr(p, "log_path", None)))
         time.sleep(0.05)
     # every machine's log tail: a timeout in a loaded full run must be diagnosable from
     # the report alone, since it rarely recurs when the test is run by itself
     paths = [getattr(p, "log_path", None) for p in procs]
-    tails = "".join(f"\n--- {path}\n{_tail(path, 2500)}" for path in paths)
+    tails = "".join(f"\n--- {path}\n{file_tail(path, 2500)}" for path in paths)
     raise AssertionError(f"timed out waiting for {_say(what)}{tails}")
 
 
@@ -108,25 +108,9 @@ def _say(what) -> str:
     return what() if callable(what) else str(what)
 
 
-def _tail(path: Optional[str], n: int = 4000) -> str:
-    try:
-        with open(path or "", errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""
-
-
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def status(run_dir: str) -> dict:
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
 
 
 def of(run_dir, name):
@@ -149,7 +133,7 @@ def recovery(run_dir, name: str = "restored") -> dict:
             f"no {name!r} event in {run_dir}: events "
             f"{[e for e in evts if e['event'] not in ('heartbeat', 'persisted')]}; status "
             f"{ {k: st.get(k) for k in ('state', 'attempt', 'restore', 'workers')} }; log "
-            f"tail:\n{_tail(run_dir + '.log', 3000)}")
+            f"tail:\n{file_tail(run_dir + '.log', 3000)}")
     return after[0]
 
 
