@@ -2,8 +2,8 @@
 
 ``Checkpointer({"model": ddp_model})`` and ``Checkpointer({"model": ddp_model.module})``
 store the same keys (no ``module.`` prefix), so a snapshot taken with one restores into the
-other, or into a model without DDP at all.  ``torch.compile``'s wrapper (``_orig_mod``) is
-unwrapped the same way.
+other, or into a model without DDP at all.  ``torch.compile``'s wrapper is
+unwrapped the same way (:func:`ckptrun.torchcompat.ddp.compiled_inner`).
 
 Replicated state (every data-parallel rank holds identical model and optimizer state) is
 stored once in the durable copy: :func:`ckptrun.tiers.durable.storage.write_parts` compares the ranks it
@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ckptrun.torchcompat import ddp as ddp_internals
+
 log = logging.getLogger(__name__)
 
 LAYOUT_KEY = "__ckptrun_ddp_buckets__"  # the snapshot entry of BucketLayouts
@@ -46,9 +48,8 @@ def unwrap(module: Any) -> Any:
     for _ in range(8):  # DDP(compile(model)) and the like
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module = module.module
-        elif isinstance(module, torch.nn.Module) and hasattr(module, "_orig_mod") \
-                and type(module).__name__ == "OptimizedModule":
-            module = module._orig_mod
+        elif ddp_internals.compiled_inner(module) is not None:
+            module = ddp_internals.compiled_inner(module)
         else:
             return module
     return module
@@ -85,8 +86,8 @@ def _find_ddp(module: Any) -> Optional[torch.nn.parallel.DistributedDataParallel
     for _ in range(8):
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             return module
-        if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
-            module = module._orig_mod
+        if ddp_internals.compiled_inner(module) is not None:
+            module = ddp_internals.compiled_inner(module)
         else:
             return None
     return None
@@ -110,9 +111,8 @@ def settled_layout(ddp: torch.nn.parallel.DistributedDataParallel,
                    nparams: int) -> Optional[List[List[int]]]:
     """The buckets DDP regrouped its parameters into after its first iteration (parameter
     indices, in reduction order); None until it has (DDP's own logging data says so)."""
-    try:
-        data = ddp._get_ddp_logging_data()
-    except Exception:  # noqa: BLE001  (no logging data on this torch: no layout)
+    data = ddp_internals.logging_data(ddp)
+    if data is None:  # no logging data on this torch: no layout
         return None
     if not data.get("has_rebuilt_buckets") or "rebuilt_per_bucket_param_indices" not in data:
         return None
@@ -136,15 +136,15 @@ def settle_now(ddp: torch.nn.parallel.DistributedDataParallel,
     data says so; a process restored from it could not reduce its first iteration as the run
     it replaces did.  The regrouping agrees the order across ranks (a broadcast from rank 0):
     every rank snapshots the same step, so every rank is here."""
+    if not ddp_internals.regroup_now(ddp):
+        return None
+    buckets = ddp_internals.grad_buckets(ddp)
+    if buckets is None:  # a torch without these internals: no layout
+        return None
     try:
-        if ddp.reducer._rebuild_buckets():
-            ddp._has_rebuilt_buckets = True  # what DDP's forward records when it regroups
-        if not getattr(ddp, "_has_rebuilt_buckets", False):
-            return None
-        buckets = sorted(ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index())
         where = {p.data_ptr(): i for i, p in enumerate(reducer_params(ddp))}
         layout = [[where[t.data_ptr()] for t in b.parameters()] for b in buckets]
-    except Exception:  # noqa: BLE001  (a torch without these internals: no layout)
+    except (KeyError, AttributeError):  # a bucket of parameters not ours
         return None
     flat = sorted(i for b in layout for i in b)
     return layout if flat == list(range(nparams)) else None
@@ -215,7 +215,7 @@ def give_back_layout(ddp: torch.nn.parallel.DistributedDataParallel,
     reducer built again in that layout: plain DDP from then on, nothing on its path),
     ``"hook"`` (:class:`FirstIterationAsSettled`, where the reducer cannot be rebuilt on this
     torch), or None (the DDP has a comm hook of its own, or the layout does not fit)."""
-    if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_ckptrun_exact", None):
+    if ddp_internals.has_comm_hook(ddp) or getattr(ddp, "_ckptrun_exact", None):
         return None
     if rebuild_reducer(ddp, layout):
         return "rebuilt"
@@ -230,44 +230,17 @@ def rebuild_reducer(ddp: torch.nn.parallel.DistributedDataParallel,
     Why a rebuild rather than a hook: a comm hook stays on every iteration, and DDP then no
     longer fuses the 1/world-size scaling into its gradient copy -- an extra pass over the
     gradients and a Python call per bucket, 5-11% of a step in benchmarks/ddp_exact.py.
-    DDP's own ``_ddp_init_helper`` (what its unpickling runs) builds the reducer; the bucket
-    assignment it asks torch for is answered with the settled layout.  The new reducer still
-    regroups after its first iteration, by the same gradient order, into the same buckets.
-    The old reducer's autograd hooks go with it (its destructor removes them)."""
-    try:
-        if getattr(ddp, "_has_rebuilt_buckets", False):
-            return False  # trained already in this process: its layout is DDP's own
-        if getattr(ddp, "mixed_precision", None) is not None \
-                or getattr(ddp, "_use_python_reducer", False) \
-                or getattr(ddp, "_delay_all_reduce_all_params", False):
-            return False
-        ours = reducer_params(ddp)
-        parameters, expect_sparse = ddp._build_params_for_reducer()
-        if [id(p) for p in parameters] != [id(p) for p in ours] \
-                or sorted(i for b in layout for i in b) != list(range(len(ours))):
-            return False
-        names = ddp._build_debug_param_to_name_mapping(parameters)
-    except Exception:  # noqa: BLE001  (another torch's internals: the hook instead)
+    The rebuild (:func:`ckptrun.torchcompat.ddp.rebuild_reducer`) is DDP's own constructor
+    path with the settled layout as its bucket assignment.  The new reducer still regroups
+    after its first iteration, by the same gradient order, into the same buckets."""
+    ours = reducer_params(ddp)
+    if sorted(i for b in layout for i in b) != list(range(len(ours))):
         return False
-    cap = int(getattr(ddp, "bucket_bytes_cap", 25 * 1024 * 1024))
-    # DDP reverses the assignment it is given (reduction starts with the last parameters)
-    assignment = ([list(b) for b in reversed(layout)], [cap] * len(layout))
-    original = dist._compute_bucket_assignment_by_size
-    old = (ddp.reducer, ddp.logger)
-    dist._compute_bucket_assignment_by_size = lambda *a, **k: assignment
     try:
-        ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
-        if ddp.static_graph:
-            ddp.reducer._set_static_graph()
-            ddp.logger._set_static_graph()
-    except Exception as exc:  # noqa: BLE001
-        ddp.reducer, ddp.logger = old
+        return ddp_internals.rebuild_reducer(ddp, ours, layout)
+    except ddp_internals.RebuildFailed as exc:
         log.info("ckptrun: DDP's reducer could not be rebuilt (%s): a comm hook instead", exc)
         return False
-    finally:
-        dist._compute_bucket_assignment_by_size = original
-    del old
-    return True
 
 
 def _first_iteration_hook(state, bucket):  # type: ignore[no-untyped-def]  (see below)
@@ -293,7 +266,7 @@ class FirstIterationAsSettled:
     def arm(cls, ddp: torch.nn.parallel.DistributedDataParallel,
             layout: List[List[int]]) -> Optional[FirstIterationAsSettled]:
         """Register on ``ddp`` unless it has a comm hook already (its own reduction rules)."""
-        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_ckptrun_exact", None):
+        if ddp_internals.has_comm_hook(ddp) or getattr(ddp, "_ckptrun_exact", None):
             return None
         if sorted(i for b in layout for i in b) != list(range(len(reducer_params(ddp)))):
             log.info("ckptrun: the saved DDP bucket layout does not fit this model")

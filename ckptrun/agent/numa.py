@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from typing import Dict, FrozenSet, Optional
 
+from ckptrun.torchcompat import numa as torch_numa
+
 
 def modes() -> tuple:
     """The affinity modes this torch knows (empty before torch 2.9, which has no binding)."""
-    try:
-        from torch.numa.binding import AffinityMode
-    except ImportError:
-        return ()
-    return tuple(m.value for m in AffinityMode)
+    return torch_numa.modes()
 
 
 def check(mode: str, nproc: int) -> None:
@@ -65,11 +63,4 @@ class Binder:
 def torch_cpus(mode: str, gpu_index: int) -> set:
     """torch's CPU set for GPU ``gpu_index`` (validated: non-empty, allowed to this process);
     torch's own error where it cannot tell (the run stops, as torchrun's would)."""
-    from torch.numa.binding import (
-        AffinityMode,
-        NumaOptions,
-        _get_validated_logical_cpus_to_bind_to,
-    )
-    options = NumaOptions(affinity_mode=AffinityMode(mode))
-    return set(_get_validated_logical_cpus_to_bind_to(gpu_index=gpu_index,
-                                                       numa_options=options))
+    return torch_numa.cpus_for_gpu(mode, gpu_index)

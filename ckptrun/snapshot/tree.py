@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ckptrun.snapshot.slots import dtype_from_name, dtype_name, meta_bytes
+from ckptrun.torchcompat.dtensor import local_offset
 
 FORMAT = 1
 
@@ -258,10 +259,9 @@ def _enc_dtensor(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> 
         else:  # Partial: the value is a pending reduction, not state
             raise Unsnapshottable(f"ckptrun: cannot snapshot a DTensor with placement {p} at {path!r}")
     local = x.to_local().detach()
-    chunk = x.__create_chunk_list__()[0]  # the DCP chunk of this rank's shard
     deferrable = live is not None and local.numel() > 0 and local.data_ptr() in live
     idx = fl.add(path, local, deferrable)
-    fl.shards[idx] = {"global_shape": list(x.shape), "global_offset": list(chunk.offsets),
+    fl.shards[idx] = {"global_shape": list(x.shape), "global_offset": local_offset(x),
                       "placements": placements, "mesh_shape": list(x.device_mesh.shape)}
     return {"T": idx}
 

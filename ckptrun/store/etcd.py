@@ -21,6 +21,7 @@ from typing import List, Sequence
 from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
 from ckptrun.store.kvstore import as_bytes
+from ckptrun.torchcompat import etcd_store as etcd_codec
 
 _CAS_RETRY_S = 0.01
 
@@ -34,9 +35,9 @@ class CasEtcdStore(EtcdStore):
         (for a missing key and a non-empty ``expected``: ``expected``, like ``TCPStore``)."""
         import etcd  # python-etcd: present whenever torch's etcd backend could be created
 
-        path = self.prefix + self._encode(key)
+        path = self.prefix + etcd_codec.encode(self, key)
         expected = as_bytes(expected_value)
-        desired = self._encode(desired_value)
+        desired = etcd_codec.encode(self, desired_value)
         while True:
             try:
                 node = self.client.get(key=path)
@@ -49,7 +50,7 @@ class CasEtcdStore(EtcdStore):
                 except etcd.EtcdAlreadyExist:
                     time.sleep(_CAS_RETRY_S)  # created meanwhile: compare with that value
                     continue
-            current = self._decode(node.value)
+            current = etcd_codec.decode(self, node.value)
             if current != expected:
                 return current
             try:

@@ -79,10 +79,9 @@ def _warm_up(go_fd: int, force: bool = False) -> None:
     import torch.distributed  # noqa: F401  (process groups, DDP)
     import torch.nn  # noqa: F401
 
-    try:  # DDP's first constructor imports it (~2.7 s here), as does torch.compile
-        import torch._dynamo  # noqa: F401
-    except Exception:
-        pass
+    from ckptrun.torchcompat.warm_up import import_compiler_stack
+
+    import_compiler_stack()  # what DDP's first constructor imports (~2.7 s here)
 
     p = torch.nn.Parameter(torch.zeros(4))
     for opt_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):

@@ -8,11 +8,11 @@ waiting on it raises at once, and so does the peer's at the other end -- so the 
 reaches every rank in one hop, whatever each is waiting for.
 
 So every process group created while a resilient function runs is watched: the sockets
-that appear during its creation (``_new_process_group_helper``, which ``init_process_group``
-and ``new_group`` both go through) are gloo's pair connections to the other ranks.  To break
+that appear during its creation (:func:`ckptrun.torchcompat.process_groups.watch_group_creation`)
+are gloo's pair connections to the other ranks.  To break
 them, each connected one is ``shutdown()`` -- never a listening one: gloo's listener thread
-aborts the process on an error.  NCCL communicators are aborted with torch's
-``_abort_process_group``, which is made for this.
+aborts the process on an error.  NCCL communicators are aborted by torch
+(:func:`ckptrun.torchcompat.process_groups.abort_nccl`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import socket
 import sys
 import threading
 from typing import Dict, List, Set
+
+from ckptrun.torchcompat import process_groups
 
 
 def _socket_fds() -> Dict[int, int]:
@@ -49,32 +51,19 @@ class CollectiveBreaker:
         self._nccl = False
 
     def install(self) -> bool:
-        """Wrap torch's process-group constructor (once per process); False when this torch
-        has none to wrap (collectives then break only where a peer's death reaches)."""
+        """Watch torch's process-group creation (once per process); False when this torch
+        offers no place to watch (collectives then break only where a peer's death reaches)."""
         if self._installed:
             return True
-        try:
-            import torch.distributed.distributed_c10d as c10d
-        except ImportError:
-            return False
-        inner = getattr(c10d, "_new_process_group_helper", None)
-        if inner is None:
-            return False
 
-        def helper(*args, **kwargs):
-            before = set(_socket_fds())
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self._inodes |= set(_socket_fds()) - before
-                backend = str(kwargs.get("backend", args[3] if len(args) > 3 else "")).lower()
-                self._nccl = self._nccl or "nccl" in backend
+        def created(before: Set[int], backend: str) -> None:
+            with self._lock:
+                self._inodes |= set(_socket_fds()) - before
+            self._nccl = self._nccl or "nccl" in backend
 
-        helper.__wrapped__ = inner  # type: ignore[attr-defined]
-        c10d._new_process_group_helper = helper
-        self._installed = True
-        return True
+        self._installed = process_groups.watch_group_creation(lambda: set(_socket_fds()),
+                                                              created)
+        return self._installed
 
     def break_all(self) -> int:
         """Shut down the watched groups' connections (and abort NCCL's communicators);
@@ -111,9 +100,7 @@ class CollectiveBreaker:
     @staticmethod
     def _abort_nccl() -> None:
         try:
-            import torch.distributed.distributed_c10d as c10d
-
-            c10d._abort_process_group()
+            process_groups.abort_nccl()
         except Exception as exc:  # torch without it, or nothing left to abort
             print(f"ckptrun: aborting the NCCL communicators failed: {exc!r}", file=sys.stderr)
 
@@ -132,13 +119,8 @@ def _shorten_timeouts() -> None:
 
 
 def _groups() -> List[object]:
-    """Every process group of this process (torch's own table of them; [] without one)."""
-    try:
-        import torch.distributed.distributed_c10d as c10d
-
-        return list(c10d._world.pg_map)
-    except Exception:
-        return []
+    """Every process group of this process ([] without one)."""
+    return process_groups.all_groups()
 
 
 def _default_uses_nccl() -> bool:
@@ -208,9 +190,9 @@ def forget_framework_groups() -> None:
     would take the old set-up as done and train with no process group.  The HF ``Trainer``
     resets them itself when its ``TrainingArguments`` are made; a plain accelerate loop does
     not.  Lightning and DeepSpeed look at ``torch.distributed.is_initialized()``.  torch
-    itself keeps the group as some functions' default argument: :func:`_unpin_default_groups`.
+    itself keeps the group as some functions' default argument: :func:`ckptrun.torchcompat.process_groups.unpin_default_groups`.
     """
-    _unpin_default_groups()
+    process_groups.unpin_default_groups()
     state = sys.modules.get("accelerate.state")
     if state is None:
         return
@@ -218,53 +200,3 @@ def forget_framework_groups() -> None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
     with contextlib.suppress(Exception):
         state.GradientState._reset_state()
-
-
-# modules whose functions take ``group=group.WORLD`` as a default argument: evaluated once,
-# at import -- and torch imports them with ``torch._dynamo`` (DDP's constructor, the first
-# optimizer step) or the user's script does, often after the first attempt's
-# ``init_process_group``.  (Found by grepping torch for ``= group.WORLD`` defaults.)
-GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",
-                         "torch.distributed.fsdp.sharded_grad_scaler",
-                         "torch.distributed.optim.zero_redundancy_optimizer")
-
-
-def _unpin_default_groups() -> int:
-    """Replace the destroyed groups that functions (and classes' methods) of
-    :data:`GROUP_DEFAULT_MODULES` keep as default arguments with ``None`` -- which they take
-    as "the default group", now the next attempt's; returns how many functions changed.
-
-    Why: ``torch.distributed.nn.functional.all_gather(t)`` and the rest of torch's
-    differentiable collectives, or a ``ShardedGradScaler()``, would otherwise keep using the
-    first attempt's group after an in-place recovery -- the collectives raised "not
-    initialized in the world group map" on every survivor -- and keep it alive: its
-    connections, its store client and its threads (on a GPU, the aborted communicator) for
-    the life of the process.
-    """
-    modules = [sys.modules[m] for m in GROUP_DEFAULT_MODULES if m in sys.modules]
-    if not modules:  # none imported: nothing can hold a group (and no torch import here)
-        return 0
-    from torch.distributed import ProcessGroup
-
-    def unpin(fn: object) -> int:
-        changed = 0
-        defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(isinstance(d, ProcessGroup) for d in defaults):
-            fn.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d
-                                    for d in defaults)
-            changed = 1
-        kw = getattr(fn, "__kwdefaults__", None)
-        if kw and any(isinstance(d, ProcessGroup) for d in kw.values()):
-            fn.__kwdefaults__ = {k: None if isinstance(d, ProcessGroup) else d
-                                 for k, d in kw.items()}
-            changed = 1
-        return changed
-
-    n = 0
-    for module in modules:
-        for obj in list(vars(module).values()):
-            if isinstance(obj, type) and obj.__module__ == module.__name__:
-                n += sum(unpin(m) for m in vars(obj).values())
-            else:
-                n += unpin(obj)
-    return n

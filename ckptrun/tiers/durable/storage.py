@@ -6,7 +6,8 @@ storage writer), DCP's ``.metadata`` (so plain ``dcp.load`` reads it without ckp
 are ``rank<r>/<path>`` plus ``rank<r>/__ckptrun_meta__`` (uint8 tensor of the snapshot's JSON
 meta): tensors only.  Reading back never unpickles: the index (checked field by field,
 :mod:`.index`) gives each tensor's file, offset, length, shape and dtype; the tensor's bytes
-are found inside its ``torch.save`` blob by the zip headers alone (:mod:`.blob`) and their
+are found inside its ``torch.save`` blob by the zip headers alone
+(:mod:`ckptrun.torchcompat.save_format`) and their
 xxh3 checksum is verified.  Writing is split for multi-node jobs: each node calls
 :func:`write_parts` (its own ``__<node>_`` files, returns JSON-able :data:`PartInfo`), one
 process calls :func:`finalize`; :func:`write_step` does both on a single node.
@@ -29,8 +30,9 @@ import torch
 
 # DCP (and with it DTensor, ~700 modules) is imported where a step is written, not here: an
 # agent starts without it, and torch's rendezvous walks every loaded module at each event
-from ckptrun.tiers.durable.blob import BlobError, tensor_from_blob
 from ckptrun.tiers.durable.index import FORMAT, IndexProblem, check_index
+from ckptrun.torchcompat import dcp as dcp_internals
+from ckptrun.torchcompat.save_format import BlobError, tensor_from_blob
 
 Snapshot = Tuple[Dict[str, Any], List[torch.Tensor]]
 PartInfo = Dict[str, Any]  # JSON-able: {"node", "step", "ranks": {r: {...}}, "bytes", "seconds"}
@@ -104,14 +106,6 @@ def checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _storage_info(relative_path: str, offset: int, length: int):
-    """DCP's per-item storage record: ``.metadata`` must hold ``_StorageInfo`` objects for
-    ``FileSystemReader`` to find a tensor; there is no public constructor (the one private use)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return _StorageInfo(relative_path, offset, length)
-
-
 def _writer(fs, path: str, threads: int):
     """DCP writer: local ``FileSystemWriter`` (real fsync) or ``FsspecWriter`` without sync
     (it would fall back to a machine-wide ``os.sync()``; an object store is durable on upload)."""
@@ -119,10 +113,7 @@ def _writer(fs, path: str, threads: int):
 
     if _is_local(fs):
         return FileSystemWriter(path, sync_files=True, thread_count=threads, overwrite=True)
-    # torch 2.13 does not re-export FsspecWriter; its module is its only home (dcp uses it too).
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(fs.unstrip_protocol(path), sync_files=False, thread_count=threads, overwrite=True)
+    return dcp_internals.fsspec_writer_class()(fs.unstrip_protocol(path), sync_files=False, thread_count=threads, overwrite=True)
 
 
 def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int = 0,
@@ -143,9 +134,10 @@ def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int =
     _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # a rewrite never looks complete midway
     planner, writer = shards.ChunkPlanner(chunks), _writer(fs, sdir, max(1, threads))
     planner.set_up_planner(None, storage_meta=None, is_coordinator=True)
-    # use_collectives=False + rank=node gives this node's files their own "__<node>_" prefix.
-    writer.set_up_storage_writer(True, rank=int(node), use_collectives=False)
-    dcp_plan = planner.finish_plan(writer.prepare_local_plan(planner.create_local_plan()))
+    # this node's files get their own "__<node>_" prefix, without collectives
+    writer.set_up_storage_writer(True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    dcp_plan = planner.finish_plan(dcp_internals.node_plan(writer, local, int(node)))
     # xxh3 guards the bytes; torch.save's CRC32 pass is redundant (1.5x slower; load skips it).
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -193,7 +185,7 @@ def finalize(url: str, step: int, parts: Sequence[PartInfo], world_size: int,
     missing = sorted(set(range(world_size)) - {int(r) for r in ranks})
     if missing:
         raise StorageError(f"step {step}: no data for ranks {missing}")
-    metadata, results, files = shards.dcp_metadata(ranks, _dtype, _storage_info)
+    metadata, results, files = shards.dcp_metadata(ranks, _dtype, dcp_internals.storage_info)
     fs, sdir = _step_dir(url, None if standalone else step)
     writer = _writer(fs, sdir, 1)
     writer.set_up_storage_writer(True)  # collective layout: one global ".metadata"
