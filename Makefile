@@ -6,8 +6,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The compatibility part of `make test` runs the tests marked `compat` again on the oldest torch
+# pyproject.toml admits and on the newest release on the package index (each in a venv of its
+# own, kept under COMPAT_VENVS between runs: tests/compat_run.sh), then writes docs/compat.md.
+# The newest is asked of the index at each run (2.15.0 if it cannot be asked).
+TORCH_FLOOR ?= 2.6.0
+TORCH_NEWEST ?= $(shell PIP_CONFIG_FILE=/dev/null $(PYTHON) -m pip index versions torch 2>/dev/null \
+                  | sed -n 's/^torch (\([0-9.]*\))$$/\1/p' | head -1 | grep . || echo 2.15.0)
 
-.PHONY: demo test test-fast test-services lint soak bench bench-quick clean
+.PHONY: demo test test-compat test-fast test-services lint soak bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +36,25 @@ test: $(VENV)/.installed test-services
 	@# then the machine-loss scenarios two at a time (the `paired` mark), then the
 	@# tests that time things alone (the `serial` mark, tests/conftest.py); every part always
 	@# runs; exit code 5 is "this part selected no test" (a PYTEST_ARGS subset)
-	@# --durations: CI must stay under 30 minutes on 2 cores; the slowest tests show where it goes
+	@# --durations: CI must stay under 50 minutes on 2 cores; the slowest tests show where it goes
 	@# one directory for the failure-free reference runs the three parts share (tests/conftest.py)
+	@# then the compatibility part (see TORCH_FLOOR above), which writes docs/compat.md
 	@status=0; shared=$$(mktemp -d); export CKPTRUN_TEST_SHARED_DIR=$$shared; \
+	reports=$$(mktemp -d); export CKPTRUN_COMPAT_REPORT=$$reports/torch-pinned.json; \
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial and not paired" --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	$(PY) -m pytest -n 2 --dist loadgroup -m paired --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	$(PY) -m pytest -m serial --durations=25 $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
-	rm -rf "$$shared"; exit $$status
+	unset CKPTRUN_TEST_SHARED_DIR CKPTRUN_COMPAT_REPORT; \
+	for v in $(TORCH_FLOOR) $(TORCH_NEWEST); do \
+	  echo "== compatibility part: torch $$v"; \
+	  tests/compat_run.sh $$v $$reports/torch-$$v.json $(PYTEST_ARGS) || status=$$?; \
+	done; \
+	ls $$reports/*.json >/dev/null 2>&1 && $(PY) tests/compat_table.py docs/compat.md $$reports/*.json; \
+	rm -rf "$$shared" "$$reports"; exit $$status
+
+# the compatibility part alone (the `compat` tests of one torch release: TORCH=2.6.0)
+test-compat:
+	tests/compat_run.sh $(TORCH) /tmp/ckptrun-compat-$(TORCH).json $(PYTEST_ARGS)
 
 # A real etcd for the etcd-v2 machine-loss test (Debian's etcd-server; the test starts its
 # own server on loopback ports), and Debian's Slurm for tests/test_slurm.py (the test starts

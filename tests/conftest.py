@@ -147,6 +147,9 @@ def _schedule_key(item) -> tuple:
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
+        compat = item.get_closest_marker("compat")
+        if compat is not None:  # travels with the report, from an xdist worker too
+            item.user_properties.append(("compat", compat.args[0]))
         if item.path.stem in GROUPED_MODULES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("serial") is not None:
@@ -212,3 +215,44 @@ def references(tmp_path_factory):
     from machines import reference_weights
 
     return reference_weights(tmp_path_factory)
+
+
+# The compatibility report (docs/compat.md): where CKPTRUN_COMPAT_REPORT names a file, each
+# pytest run adds the outcome of its ``compat``-marked tests under the running torch's version
+# (`make test` runs pytest several times, on several torch releases: tests/compat_table.py
+# turns the files into the table).
+ENV_COMPAT_REPORT = "CKPTRUN_COMPAT_REPORT"
+_compat_outcomes: dict = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    feature = dict(report.user_properties).get("compat")
+    if not feature or not os.environ.get(ENV_COMPAT_REPORT):
+        return
+    tests = _compat_outcomes.setdefault(feature, {})
+    if report.failed:
+        tests[report.nodeid] = "failed"
+    elif report.skipped and tests.get(report.nodeid) != "failed":
+        tests[report.nodeid] = "skipped"
+    elif report.when == "call" and report.passed:
+        tests.setdefault(report.nodeid, "passed")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    path = os.environ.get(ENV_COMPAT_REPORT)
+    if not path or hasattr(session.config, "workerinput") or not _compat_outcomes:
+        return  # an xdist worker: its reports reach the controller, which writes
+    import torch
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    if data.get("torch") != torch.__version__:
+        data = {"torch": torch.__version__, "python": sys.version.split()[0], "features": {}}
+    for feature, tests in _compat_outcomes.items():
+        data["features"].setdefault(feature, {}).update(tests)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)

@@ -39,6 +39,7 @@ def test_bad_command_lines_are_refused_before_anything_runs(tmp_path, args, mess
 
 
 @pytest.mark.slow
+@pytest.mark.compat("ckptrun check")
 def test_a_correct_loop_is_exact(tmp_path):
     proc = check(tmp_path, LOOPS, "--mode", "correct")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -14,6 +14,8 @@ import ckptrun
 from ckptrun.protocol import SlotHeader, SlotState
 from ckptrun.snapshot import slots as slots_mod
 
+pytestmark = pytest.mark.compat("the Checkpointer in one process (save, restore, numpy, dataclasses)")
+
 
 def make_job(seed: int = 0):
     torch.manual_seed(seed)

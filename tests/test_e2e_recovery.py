@@ -78,7 +78,8 @@ def no_shm_left(run_dir: str) -> None:
 @pytest.mark.parametrize(
     "failure,args,expect",
     [
-        ("sigkill", ["--crash-at", "12"], "worker_failed"),
+        pytest.param("sigkill", ["--crash-at", "12"], "worker_failed",
+                     marks=pytest.mark.compat("SIGKILL: restore from memory, bitwise")),
         ("exception", ["--raise-at", "12"], "worker_failed"),
         ("hang", ["--hang-at", "12"], "hang_detected"),
     ],
@@ -186,6 +187,7 @@ def test_agent_killed_then_rerun_resumes_from_storage(tmp_path, reference):
     no_shm_left(run_dir)
 
 
+@pytest.mark.compat("--resume-from a persisted step, bitwise")
 def test_resume_from_a_durable_checkpoint_in_a_new_run(tmp_path, reference):
     """A 15-step job persists its final step; a new job (own run dir) started with
     --resume-from continues it to 30 steps and ends bitwise equal to one 30-step run."""

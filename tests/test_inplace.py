@@ -239,7 +239,8 @@ def references(tmp_path_factory):
 @pytest.mark.slow
 # (2 ranks in place: the hot spare and the framework tests; 4: across two machines below)
 @pytest.mark.parametrize("nproc,fault,rank", [
-    (3, "--crash-at", 0), (8, "--crash-at", 5), (3, "--hang-at", 2), (3, "--raise-at", 1)])
+    pytest.param(3, "--crash-at", 0, marks=pytest.mark.compat("in-place recovery (3 ranks)")),
+    (8, "--crash-at", 5), (3, "--hang-at", 2), (3, "--raise-at", 1)])
 def test_survivors_recover_in_their_own_process_and_lose_nothing(tmp_path, references, nproc,
                                                                 fault, rank):
     proc, evts, weights = _run(tmp_path, "job", nproc, "--in-place", fault, "6",
@@ -301,6 +302,7 @@ def test_in_place_across_two_machines(tmp_path, references):
     assert _equal(torch.load(tmp_path / "out.pt", weights_only=True), references(4))
 
 
+@pytest.mark.compat("in place: a blocked collective is broken")
 def test_breaking_the_connections_wakes_a_collective_that_waits_for_a_live_rank(tmp_path):
     """gloo's abort() does not wake a waiting all-reduce; shutting the group's connections
     down does, on this rank at once and on the peer at its next collective."""
@@ -340,6 +342,7 @@ def test_a_group_whose_teardown_waits_does_not_hold_the_recovery(tmp_path):
     assert late["late_raised"] and late["late_s"] < 5.0, lines
 
 
+@pytest.mark.compat("in place: torch's functional collectives use the new group")
 def test_torchs_functional_collectives_use_the_new_group_after_recovery(tmp_path):
     """``torch.distributed.nn.functional``'s collectives take ``group=group.WORLD`` as a
     default argument, fixed when torch imports them -- with ``torch._dynamo``, after the first

@@ -57,6 +57,7 @@ def reference(tmp_path_factory):
     return shared_weights(tmp_path_factory, "preemption", make)
 
 
+@pytest.mark.compat("SIGTERM preemption, resumed by the same command")
 def test_preempted_job_resumes_from_its_newest_step(tmp_path, reference):
     # SIGTERM (Slurm, Kubernetes); a Ctrl-C's SIGINT takes the same path in the agent, and
     # its forwarding to the workers is tested below

@@ -50,7 +50,8 @@ def assert_same(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
 
 
-@pytest.mark.parametrize("scheme", ["plain", "file", "memory"])
+@pytest.mark.parametrize("scheme", ["plain", "file", pytest.param(
+    "memory", marks=pytest.mark.compat("persist to an fsspec URL (memory://)"))])
 def test_roundtrip_and_listing(tmp_path, scheme):
     url = {"plain": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck",
            "memory": f"memory://ckpt-{os.getpid()}-{tmp_path.name}"}[scheme]
@@ -73,6 +74,7 @@ def test_roundtrip_and_listing(tmp_path, scheme):
     assert_same(storage.read_rank(url + "/step-7", None, 0), snaps[0])
 
 
+@pytest.mark.compat("a persisted step read by plain DCP")
 def test_plain_dcp_reads_it_without_ckptrun(tmp_path):
     url = str(tmp_path / "ck")
     snaps = snapshots(3)
@@ -147,6 +149,7 @@ def test_step_without_index_does_not_exist(tmp_path):
     assert storage.newest_step(url) == 1
 
 
+@pytest.mark.compat("a corrupted persisted byte is refused")
 def test_corruption_is_detected(tmp_path):
     url = str(tmp_path)
     snaps = snapshots(6)
@@ -180,6 +183,7 @@ def test_prune_keeps_newest_and_clears_debris(tmp_path):
     assert storage.prune(url, keep=0) == []
 
 
+@pytest.mark.compat("a step written by several nodes into one directory")
 def test_multi_node_parts_finalize(tmp_path):
     url = str(tmp_path)
     snaps = snapshots(5, world_size=4)

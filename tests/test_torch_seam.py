@@ -26,6 +26,8 @@ from typing import Iterable, List, Set
 
 import pytest
 
+pytestmark = pytest.mark.compat("no private torch name outside ckptrun/torchcompat/")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEAM = ROOT / "ckptrun" / "torchcompat"
 PATCHED_FUNCTION_ATTRS = {"__defaults__", "__kwdefaults__", "__code__"}
@@ -217,3 +219,27 @@ def own_names_from(source: str) -> Set[str]:
         f.write(source)
         f.flush()
         return own_names([pathlib.Path(f.name)])
+
+
+def test_a_torch_below_the_floor_is_refused_in_one_line_before_anything_starts(
+        tmp_path, monkeypatch) -> None:
+    """``ckptrun run`` on torch 2.4 says which torch it needs, exit code 2, and starts nothing
+    (the installed version is faked: the metadata lookup is the only thing asked)."""
+    import subprocess
+    import sys
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "from importlib import metadata\n"
+        "_real = metadata.version\n"
+        "metadata.version = lambda name: '2.4.1' if name == 'torch' else _real(name)\n")
+    env = dict(__import__("os").environ, PYTHONPATH=str(shim))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ckptrun.cli", "--standalone", "--run-dir",
+                           str(run_dir), "train.py"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("ckptrun: error: ckptrun needs torch>=2.6; this environment "
+                                   "has torch 2.4.1 (pip install 'torch>=2.6')"), proc.stderr
+    assert not run_dir.exists()

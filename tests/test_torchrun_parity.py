@@ -18,10 +18,24 @@ import sys
 
 import pytest
 
+from ckptrun.torchcompat.numa import modes as numa_modes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "tests", "scripts", "parity_probe.py")
 BIN = os.path.dirname(sys.executable)
 LAUNCHERS = ["torchrun", "ckptrun"]
+
+
+def with_flag(flag: str) -> list:
+    """The launchers that know ``flag``: torchrun of an older torch lacks some of its newer
+    options, which ckptrun takes on every torch (ckptrun/cli/args.py); there the test
+    checks ckptrun against what newer torchrun does."""
+    import torch.distributed.run as trun
+
+    known = {o for a in trun.get_args_parser()._actions for o in a.option_strings}
+    return LAUNCHERS if flag in known else ["ckptrun"]
+
+pytestmark = pytest.mark.compat("torchrun parity: the same command, the same worker view")
 
 
 def launch(launcher: str, tmp_path, *args: str, env=None, cwd=None, timeout=120,
@@ -98,8 +112,8 @@ def test_run_path_overrides_no_python(tmp_path, launcher):
 
 @pytest.mark.slow
 def test_virtual_local_rank_gives_each_worker_its_gpu_as_device_0(tmp_path):
-    seen = {}
-    for launcher in LAUNCHERS:
+    seen = {"torchrun": {0: ("0", "5"), 1: ("0", "7")}}  # what a torchrun with the flag shows
+    for launcher in with_flag("--virtual-local-rank"):
         proc = launch(launcher, tmp_path / launcher, "--nproc-per-node", "2",
                       "--virtual-local-rank", PROBE, "--mode", "show",
                       env={"CUDA_VISIBLE_DEVICES": "5,7"})
@@ -114,7 +128,7 @@ def test_line_prefix_template_and_duplicate_filters(tmp_path):
     """``--tee 3`` lines carry TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE's header; lines holding a
     filter word are also in ``<log dir>/<run>/attempt_0/filtered_stdout.log``, all ranks."""
     env = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}:${rank}:${local_rank}>"}
-    for launcher in LAUNCHERS:
+    for launcher in with_flag("--duplicate-stdout-filters"):
         logs = tmp_path / launcher / "logs"
         proc = launch(launcher, tmp_path / launcher, "--nproc-per-node", "2", "--log-dir",
                       str(logs), "--tee", "3", "--duplicate-stdout-filters", "needle", PROBE,
@@ -149,7 +163,9 @@ def test_a_failed_job_ends_with_torchruns_failure_summary(tmp_path, launcher):
 @pytest.mark.parametrize("args,message", [
     (["--logs-specs", "mine"], "--logs-specs mine: ckptrun writes the worker logs itself"),
     (["--numa-binding", "node"], "--numa-binding node binds each worker to the CPUs near "
-                                 "its GPU (GPU index = local rank); this machine has no CUDA"),
+                                 "its GPU (GPU index = local rank); this machine has no CUDA"
+     if numa_modes() else "--numa-binding node: this torch has no torch.numa.binding "
+                          "(torch >= 2.9 has)"),
     (["--event-log-handler", "nowhere"], "--event-log-handler 'nowhere' is not a registered"),
 ])
 def test_options_that_cannot_apply_are_refused_in_one_line(tmp_path, args, message):
@@ -209,3 +225,68 @@ def test_an_elastic_job_starts_with_the_nodes_it_has(tmp_path):
         seen[launcher] = {r: (p["world_size"], p["group_world_size"])
                           for r, p in probes(proc.stdout).items()}
     assert seen["ckptrun"] == seen["torchrun"] == {0: ("2", "1"), 1: ("2", "1")}, seen
+
+
+@pytest.mark.slow
+def test_two_agents_on_loopback_start_without_a_secret(tmp_path):
+    """torch's ``test_launch_elastic_multiple_agents``: two launchers of one user on one
+    machine, ``--nnodes 1:2`` on a loopback endpoint, nothing else set.  torchrun needs no
+    secret, and neither does ckptrun: its agents share one of the user's own (a 0600 file in
+    the user's cache).  A non-loopback endpoint still asks for one."""
+    env = {k: v for k, v in os.environ.items() if k != "CKPTRUN_SECRET"}
+    env["HOME"] = str(tmp_path / "home")
+    seen = {}
+    for launcher in LAUNCHERS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for node in range(2):
+            cmd = [os.path.join(BIN, launcher)]
+            if launcher == "ckptrun":
+                cmd += ["--run-dir", str(tmp_path / f"run{node}")]
+            cmd += ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"two-{launcher}",
+                    PROBE, "--mode", "show"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env, cwd=str(tmp_path)))
+        outs = [p.communicate(timeout=180) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, (launcher, err[-3000:])
+        got = {}
+        for out, _ in outs:
+            got.update({r: (p["world_size"], p["group_world_size"])
+                        for r, p in probes(out).items()})
+        seen[launcher] = got
+    assert seen["ckptrun"] == seen["torchrun"] == {0: ("2", "2"), 1: ("2", "2")}, seen
+    secret = tmp_path / "home" / ".cache" / "ckptrun" / "local-secret"
+    assert oct(os.stat(secret).st_mode & 0o777) == "0o600"
+    refused = launch("ckptrun", tmp_path / "far", "--nnodes", "2", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", "10.77.0.1:29400", PROBE, "--mode", "show",
+                     standalone=False, env={"CKPTRUN_SECRET": "", "HOME": env["HOME"]},
+                     timeout=60)
+    assert refused.returncode == 2 and "needs a secret" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_a_launcher_run_in_process_with_a_text_only_stdout(tmp_path):
+    """torch's launcher tests call the launcher's ``main()`` in their own process, whose
+    ``sys.stdout`` may be an ``io.StringIO`` (no ``.buffer``): the workers' lines reach it."""
+    code = (
+        "import io, json, sys\n"
+        "out = io.StringIO(); sys.stdout = out\n"
+        "from ckptrun.cli import main\n"
+        "try:\n"
+        f"    main(['--standalone', '--nproc-per-node', '2', '--run-dir', {str(tmp_path / 'run')!r},\n"
+        f"          {PROBE!r}, '--mode', 'show'])\n"
+        "    code = 0\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "sys.__stdout__.write(json.dumps({'code': code, 'out': out.getvalue()}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["code"] == 0, proc.stderr[-3000:]
+    assert set(probes(got["out"])) == {0, 1}, got["out"][-2000:]
+    assert "AttributeError" not in proc.stderr, proc.stderr[-3000:]

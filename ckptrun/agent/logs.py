@@ -174,6 +174,27 @@ class Pump(threading.Thread):
                 pass  # console gone (agent output closed): keep writing the log file
 
 
+class _TextConsole:
+    """A text stream without a byte buffer (``io.StringIO``, a notebook's or a test
+    harness's ``sys.stdout``, as torch's launcher tests run ``torchrun`` in-process) seen as
+    the byte stream :class:`Pump` writes: bytes decoded, undecodable ones replaced."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode("utf-8", errors="replace"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _binary(stream: IO[str]):  # -> a byte-writing object
+    """``stream``'s byte buffer, or ``stream`` wrapped to take bytes where it has none."""
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else _TextConsole(stream)
+
+
 def _open_log(path: str) -> IO[bytes]:
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
@@ -188,7 +209,7 @@ def attach_pumps(reads: Dict[str, Optional[int]], routes: Dict[str, StreamRoute]
         log = _open_log(os.path.join(log_dir, f"{name}.log")) if r.to_file else None
         console = None
         if r.to_console:
-            console = (sys.stdout if name == "stdout" else sys.stderr).buffer
+            console = _binary(sys.stdout if name == "stdout" else sys.stderr)
         dup = None
         if console is not None and r.filters:
             dup = os.fdopen(os.open(os.path.join(os.path.dirname(log_dir), f"filtered_{name}.log"),

@@ -61,7 +61,7 @@ def _torch_run():
 
         trun.get_args_parser, trun.determine_local_world_size, trun.parse_min_max_nnodes  # noqa: B018
     except (ImportError, AttributeError) as exc:
-        raise UsageError(f"ckptrun needs torch>=2.4 with torch.distributed.run ({exc})") from exc
+        raise UsageError(f"ckptrun needs torch>=2.6 with torch.distributed.run ({exc})") from exc
     return trun
 
 
@@ -307,12 +307,20 @@ def _check_standby(cfg: AgentConfig) -> None:
 
 def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:
     """The job secret (``--secret-file``, ``CKPTRUN_SECRET``); several machines need one."""
-    from ckptrun.protocol.job_secret import SecretError, job_secret
+    from ckptrun.protocol.job_secret import SecretError, job_secret, user_local_secret
 
     try:
         secret = job_secret(ns.secret_file, os.environ)
     except SecretError as e:
         raise UsageError(str(e)) from None
+    if secret is None and max_nodes > 1 and _loopback(ns.rdzv_endpoint):
+        # every agent of this job runs on this machine, as this user: they share a secret
+        # of the user's own without being told (torchrun's `--nnodes 1:2` on localhost)
+        try:
+            return user_local_secret()
+        except (SecretError, OSError) as e:
+            raise UsageError(f"a job of several agents on this machine needs a secret: {e}; "
+                             "set CKPTRUN_SECRET or --secret-file PATH") from None
     if secret is None and max_nodes > 1:
         if not ns.insecure:
             raise UsageError(
@@ -322,6 +330,25 @@ def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:
         _warn("--insecure: no job secret, so anyone who can reach the rendezvous store can "
               "read this job's checkpoints from the other machines and push forged ones")
     return secret
+
+
+def _loopback(endpoint: Optional[str]) -> bool:
+    """Whether a rendezvous endpoint is this machine's loopback (``localhost``, 127.x, ::1):
+    then every agent that reaches it runs here."""
+    import ipaddress
+
+    # no endpoint: torch's rendezvous takes MASTER_ADDR, or localhost
+    host = (endpoint or os.environ.get("MASTER_ADDR") or "localhost").strip()
+    if host.startswith("["):  # [::1]:29400
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _warn(text: str) -> None:
@@ -535,9 +562,10 @@ def _comma_list(text: str) -> List[str]:
 # torchrun options of newer torch (2.13's parser is the reference) that an older torch's
 # parser lacks -- torch 2.11 has no --shutdown-timeout, and ckptrun's own code reads every
 # one of these: each is added with torchrun's spellings and default where missing, so a
-# ckptrun command line means the same under every torch >= 2.4.  ckptrun implements them
-# itself (shutdown, signals, log files, LOCAL_RANK); --numa-binding needs torch's own code
-# and stays unknown where torch has none.
+# ckptrun command line means the same under every torch >= 2.6.  ckptrun implements them
+# itself (shutdown, signals, log files, LOCAL_RANK); --numa-binding needs torch's own code,
+# so where torch has none it is known only to be refused in one line naming the torch that
+# has it (ckptrun.agent.numa.check).
 _LATER_TORCHRUN_FLAGS: List[Tuple[str, Dict[str, object]]] = [
     ("shutdown_timeout", dict(type=int, default=None, help="seconds to wait for workers to "
                               "exit after SIGTERM before SIGKILL")),
@@ -552,6 +580,7 @@ _LATER_TORCHRUN_FLAGS: List[Tuple[str, Dict[str, object]]] = [
     ("local_ranks_filter", dict(default="", help="only show these local ranks' logs")),
     ("event_log_handler", dict(default="null", help="torch elastic event log handler")),
     ("logs_specs", dict(default=None, help=argparse.SUPPRESS)),  # refused if given anyway
+    ("numa_binding", dict(default=None, help=argparse.SUPPRESS)),  # refused (torch < 2.9)
 ]
 
 

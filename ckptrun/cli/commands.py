@@ -132,6 +132,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] != "--version"):
         argv = ["run", *argv]  # no subcommand: everything, --help included, belongs to run
+    if argv[0] in ("run", "check", "restore") and not {"-h", "--help"} & set(argv):
+        from ckptrun.torchcompat import floor_problem
+
+        problem = floor_problem()
+        if problem is not None:  # before anything starts, in one line
+            sys.exit(usage_error(problem))
     try:
         cli.main(args=argv, prog_name="ckptrun", standalone_mode=True)
     except KeyboardInterrupt:

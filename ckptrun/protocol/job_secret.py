@@ -83,6 +83,32 @@ def local_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+def user_local_secret(home: Optional[str] = None) -> bytes:
+    """The secret this user's agents share when every machine of a job is this one (a
+    ``--nnodes 1:2`` job whose rendezvous endpoint is loopback): made once, kept in
+    ``~/.cache/ckptrun/local-secret`` (mode 0600, in a 0700 directory) and read back with
+    the same checks as ``--secret-file``.  Two agents starting at once agree: the file
+    appears whole (written aside, then linked into place) or not at all."""
+    base = os.path.join(home or os.path.expanduser("~"), ".cache", "ckptrun")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    path = os.path.join(base, "local-secret")
+    if not os.path.lexists(path):
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o600)
+        try:
+            os.write(fd, secrets.token_hex(32).encode())
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # fails if another agent's is there already: that one is used
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return read_secret_file(path)
+
+
 def job_key(secret: bytes, job_id: str) -> bytes:
     """The key the agents of job ``job_id`` authenticate with: HMAC-SHA256 of the id under
     the secret, so that the same secret gives every job its own key."""

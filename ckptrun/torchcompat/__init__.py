@@ -24,7 +24,7 @@ torch attribute.
 from __future__ import annotations
 
 import re
-from typing import Tuple
+from typing import Optional, Tuple
 
 #: the lowest torch ckptrun supports: the first release with FSDP2's public ``fully_shard``
 #: (``torch.distributed.fsdp``) and DCP's ``state_dict`` API as it is documented today
@@ -37,6 +37,23 @@ CHECKED = ("2.6.0", "2.13.0", "2.15.0")
 class Unsupported(RuntimeError):
     """This torch lacks what a feature needs; the message is one line naming the torch that
     has it."""
+
+
+def floor_problem() -> Optional[str]:
+    """One line saying why the installed torch is outside ckptrun's range, or None.  Read
+    from the installed package's metadata: ``ckptrun status`` and the checks before a job
+    starts do not pay for ``import torch``."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return f"torch is not installed (ckptrun needs torch>={FLOOR[0]}.{FLOOR[1]})"
+    m = re.match(r"(\d+)\.(\d+)", installed)
+    if m and (int(m.group(1)), int(m.group(2))) < FLOOR:
+        return (f"ckptrun needs torch>={FLOOR[0]}.{FLOOR[1]}; this environment has torch "
+                f"{installed} (pip install 'torch>={FLOOR[0]}.{FLOOR[1]}')")
+    return None
 
 
 def torch_version() -> Tuple[int, int]:
