@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # pyproject.toml admits and on the newest release on the package index (each in a venv of its
 # own, kept under COMPAT_VENVS between runs: tests/compat_run.sh), then writes docs/compat.md.
 # The newest is asked of the index at each run (2.15.0 if it cannot be asked).
-TORCH_FLOOR ?= 2.6.0
+TORCH_FLOOR ?= 2.7.0
 TORCH_NEWEST ?= $(shell PIP_CONFIG_FILE=/dev/null $(PYTHON) -m pip index versions torch 2>/dev/null \
                   | sed -n 's/^torch (\([0-9.]*\))$$/\1/p' | head -1 | grep . || echo 2.15.0)
 
@@ -52,7 +52,7 @@ test: $(VENV)/.installed test-services
 	ls $$reports/*.json >/dev/null 2>&1 && $(PY) tests/compat_table.py docs/compat.md $$reports/*.json; \
 	rm -rf "$$shared" "$$reports"; exit $$status
 
-# the compatibility part alone (the `compat` tests of one torch release: TORCH=2.6.0)
+# the compatibility part alone (the `compat` tests of one torch release: TORCH=2.7.0)
 test-compat:
 	tests/compat_run.sh $(TORCH) /tmp/ckptrun-compat-$(TORCH).json $(PYTEST_ARGS)
 

@@ -240,6 +240,6 @@ def test_a_torch_below_the_floor_is_refused_in_one_line_before_anything_starts(
                            str(run_dir), "train.py"], capture_output=True, text=True, env=env,
                           timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == ("ckptrun: error: ckptrun needs torch>=2.6; this environment "
-                                   "has torch 2.4.1 (pip install 'torch>=2.6')"), proc.stderr
+    assert proc.stderr.strip() == ("ckptrun: error: ckptrun needs torch>=2.7; this environment "
+                                   "has torch 2.4.1 (pip install 'torch>=2.7')"), proc.stderr
     assert not run_dir.exists()

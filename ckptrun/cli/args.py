@@ -61,7 +61,7 @@ def _torch_run():
 
         trun.get_args_parser, trun.determine_local_world_size, trun.parse_min_max_nnodes  # noqa: B018
     except (ImportError, AttributeError) as exc:
-        raise UsageError(f"ckptrun needs torch>=2.6 with torch.distributed.run ({exc})") from exc
+        raise UsageError(f"ckptrun needs torch>=2.7 with torch.distributed.run ({exc})") from exc
     return trun
 
 
@@ -562,7 +562,7 @@ def _comma_list(text: str) -> List[str]:
 # torchrun options of newer torch (2.13's parser is the reference) that an older torch's
 # parser lacks -- torch 2.11 has no --shutdown-timeout, and ckptrun's own code reads every
 # one of these: each is added with torchrun's spellings and default where missing, so a
-# ckptrun command line means the same under every torch >= 2.6.  ckptrun implements them
+# ckptrun command line means the same under every torch >= 2.7.  ckptrun implements them
 # itself (shutdown, signals, log files, LOCAL_RANK); --numa-binding needs torch's own code,
 # so where torch has none it is known only to be refused in one line naming the torch that
 # has it (ckptrun.agent.numa.check).

@@ -2,7 +2,7 @@
 
 The durable tier (:mod:`ckptrun.tiers.durable.storage`) writes steps with DCP's own storage
 writers, through their public ``StorageWriter`` interface, and builds DCP's ``.metadata``
-itself.  Checked on torch 2.6.0, 2.13.0 and 2.15.0.
+itself.  Checked on torch 2.7.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 def storage_info(relative_path: str, offset: int, length: int) -> Any:
     """DCP's per-item storage record: ``.metadata`` must hold ``_StorageInfo`` objects for
     ``FileSystemReader`` to find a tensor, and torch has no public constructor for one
-    (``torch.distributed.checkpoint.filesystem._StorageInfo``, 2.6 .. 2.15)."""
+    (``torch.distributed.checkpoint.filesystem._StorageInfo``, 2.7 .. 2.15)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
@@ -22,7 +22,7 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
 def fsspec_writer_class() -> Any:
     """DCP's ``FsspecWriter``: public as ``torch.distributed.checkpoint.FsspecWriter`` or in
     ``.fsspec_filesystem`` on newer torch (2.15); before that only in the private
-    ``._fsspec_filesystem`` (2.6 .. 2.14), which newer torch deprecates with a warning --
+    ``._fsspec_filesystem`` (2.7 .. 2.14), which newer torch deprecates with a warning --
     so the public homes are tried first."""
     import torch.distributed.checkpoint as dcp
 
@@ -42,7 +42,7 @@ def node_plan(writer: Any, local_plan: Any, node: int) -> Any:
     collide and need no collective: the writer's own global planning, asked as if empty plans
     of nodes ``0..node-1`` came first, names the files of the plan at index ``node``
     ``__<node>_<k>.distcp``.  Public interface only; newer torch's ``rank=`` and
-    ``use_collectives=`` keywords of ``set_up_storage_writer`` are not on 2.6."""
+    ``use_collectives=`` keywords of ``set_up_storage_writer`` are not on 2.7."""
     from torch.distributed.checkpoint.planner import SavePlan
 
     plans = writer.prepare_global_plan([SavePlan([]) for _ in range(int(node))] + [local_plan])

@@ -1,7 +1,7 @@
 """DDP internals: the reducer's bucket layout, and building the reducer in a saved layout.
 
 What :mod:`ckptrun.adapters.ddp` needs for an exact first iteration after a restore (its
-docstring says why).  Checked on torch 2.6.0, 2.13.0 and 2.15.0; every function returns
+docstring says why).  Checked on torch 2.7.0, 2.13.0 and 2.15.0; every function returns
 ``None``/``False`` where a torch's internals differ, and the adapter falls back to a comm hook.
 """
 

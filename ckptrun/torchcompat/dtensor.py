@@ -1,6 +1,6 @@
 """DTensor: where this rank's shard sits in the global tensor.
 
-Checked on torch 2.6.0, 2.13.0 and 2.15.0.
+Checked on torch 2.7.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations

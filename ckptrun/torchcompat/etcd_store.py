@@ -3,7 +3,7 @@
 :class:`ckptrun.store.etcd.CasEtcdStore` adds ``compare_set`` and ``multi_get`` to torch's
 ``EtcdStore`` (``torch.distributed.elastic.rendezvous.etcd_store``); to read and write the
 same etcd keys as the store's own methods, it must encode them as the store does, with its
-private ``_encode``/``_decode`` (base64 text).  Checked on torch 2.6.0, 2.13.0 and 2.15.0.
+private ``_encode``/``_decode`` (base64 text).  Checked on torch 2.7.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``torch.numa.binding``: the CPUs torch binds a GPU's worker to (torchrun's ``--numa-binding``).
 
-Checked on torch 2.13.0 and 2.15.0; torch 2.6 has no ``torch.numa`` (:func:`modes` is empty
+Checked on torch 2.13.0 and 2.15.0; torch 2.7 has no ``torch.numa`` (:func:`modes` is empty
 and ``--numa-binding`` is refused with one line naming the torch that has it).
 """
 

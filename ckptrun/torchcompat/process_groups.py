@@ -1,6 +1,6 @@
 """c10d internals: group creation, NCCL abort, the table of groups, pinned default groups.
 
-Checked on torch 2.6.0, 2.13.0 and 2.15.0 (:data:`ckptrun.torchcompat.CHECKED`).
+Checked on torch 2.7.0, 2.13.0 and 2.15.0 (:data:`ckptrun.torchcompat.CHECKED`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def watch_group_creation(before: Callable[[], T], after: Callable[[T, str], None
     this torch offers no place to watch (the caller then does without).
 
     There is no public hook for group creation; ``c10d._new_process_group_helper`` is what
-    ``init_process_group`` and ``new_group`` both go through (2.6 .. 2.15).  Its backend is
+    ``init_process_group`` and ``new_group`` both go through (2.7 .. 2.15).  Its backend is
     read by parameter name, not position: the positions moved between releases.
     """
     try:
@@ -55,7 +55,7 @@ def watch_group_creation(before: Callable[[], T], after: Callable[[T, str], None
 
 def abort_nccl() -> None:
     """Abort every NCCL communicator of this process (``c10d._abort_process_group``, made
-    for this; 2.6 .. 2.15).  Raises what torch raises, or :class:`Unsupported`."""
+    for this; 2.7 .. 2.15).  Raises what torch raises, or :class:`Unsupported`."""
     import torch.distributed.distributed_c10d as c10d
 
     from ckptrun.torchcompat import Unsupported
@@ -68,7 +68,7 @@ def abort_nccl() -> None:
 
 def all_groups() -> List[object]:
     """Every process group of this process ([] without any, or on a torch that keeps them
-    elsewhere): torch's own table, ``c10d._world.pg_map`` (2.6 .. 2.15)."""
+    elsewhere): torch's own table, ``c10d._world.pg_map`` (2.7 .. 2.15)."""
     try:
         import torch.distributed.distributed_c10d as c10d
 
@@ -80,7 +80,7 @@ def all_groups() -> List[object]:
 # modules whose functions take ``group=group.WORLD`` as a default argument: evaluated once,
 # at import -- and torch imports them with ``torch._dynamo`` (DDP's constructor, the first
 # optimizer step) or the user's script does, often after the first attempt's
-# ``init_process_group``.  (Found by grepping torch 2.6 .. 2.15 for ``= group.WORLD``.)
+# ``init_process_group``.  (Found by grepping torch 2.7 .. 2.15 for ``= group.WORLD``.)
 GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",
                          "torch.distributed.fsdp.sharded_grad_scaler",
                          "torch.distributed.optim.zero_redundancy_optimizer")

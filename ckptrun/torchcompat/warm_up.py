@@ -1,6 +1,6 @@
 """Imports a warm spare pays before it is given a rank's work.
 
-Checked on torch 2.6.0, 2.13.0 and 2.15.0.
+Checked on torch 2.7.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations

@@ -132,6 +132,8 @@ def write_parts(url: str, step: int, snapshots: Dict[int, Snapshot], node: int =
     except ValueError as e:
         raise StorageError(str(e)) from e
     _rm_quiet(fs, posixpath.join(sdir, INDEX_NAME))  # a rewrite never looks complete midway
+    # nor to plain DCP (and DCP's writer warns of every directory it finds a .metadata in)
+    _rm_quiet(fs, posixpath.join(sdir, ".metadata"))
     planner, writer = shards.ChunkPlanner(chunks), _writer(fs, sdir, max(1, threads))
     planner.set_up_planner(None, storage_meta=None, is_coordinator=True)
     # this node's files get their own "__<node>_" prefix, without collectives
