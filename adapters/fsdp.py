@@ -35,6 +35,8 @@ def is_sharded_module(x: Any) -> bool:
 class ShardedModel:
     """A sharded module's state as ``get_model_state_dict`` gives it (DTensor values)."""
 
+    ckptrun_loads_shards = True  # load_state_dict takes local shards (_into_live)
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
@@ -48,6 +50,8 @@ class ShardedModel:
 
 class ShardedOptimizer:
     """An optimizer of a sharded module, FQN-keyed (``get_optimizer_state_dict``)."""
+
+    ckptrun_loads_shards = True  # load_state_dict takes local shards (_into_live)
 
     def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model = model

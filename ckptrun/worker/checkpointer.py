@@ -518,7 +518,11 @@ class Checkpointer:
             restored.pop(self._rng_key, None)
         view = self._view()
         target = dict(view)
-        S.load_into(target, restored)
+        # the restored tensors that were DTensor shards or lived on a device: the objects
+        # holding them are given them back in those types (snapshot.live_types)
+        needs_live = {id(t) for d, t in zip(meta["tensors"], tensors)
+                      if "global_shape" in d or d.get("device")}
+        S.load_into(target, restored, needs_live)
         for k, v in target.items():  # plain entries are replaced in the script's own dict
             # (entries an adapter added to the view, e.g. DDP's bucket layouts, are not the
             # script's: they stay out of its dict)
