@@ -7,7 +7,25 @@ itself.  Checked on torch 2.7.0, 2.13.0 and 2.15.0.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+_quieted = False
+
+
+def quiet_typed_storage_warning() -> None:
+    """Hide the ``TypedStorage is deprecated`` warning that DCP's own writer of torch 2.7
+    raises (``_SerialCpuLoader`` calls ``tensor.storage()`` for every tensor it writes; 2.13
+    and 2.15 call ``untyped_storage()``): a job that persists would print it where the same
+    script under torchrun prints nothing.  Only that message, only when attributed to DCP's
+    ``filesystem`` module: the script's own uses of typed storages still warn."""
+    global _quieted
+    if not _quieted:
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated",
+                                category=UserWarning,
+                                module=r"torch\.distributed\.checkpoint\.filesystem")
+        _quieted = True
+
 
 
 def storage_info(relative_path: str, offset: int, length: int) -> Any:

@@ -111,6 +111,7 @@ def _writer(fs, path: str, threads: int):
     (it would fall back to a machine-wide ``os.sync()``; an object store is durable on upload)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
+    dcp_internals.quiet_typed_storage_warning()
     if _is_local(fs):
         return FileSystemWriter(path, sync_files=True, thread_count=threads, overwrite=True)
     return dcp_internals.fsspec_writer_class()(fs.unstrip_protocol(path), sync_files=False, thread_count=threads, overwrite=True)
