@@ -177,7 +177,7 @@ def test_rank_ranges(ranks, text):
     ("node_lost", {"node": 1, "seconds_silent": 5.3, "step": 9, "attempt": 0},
      "machine 1 lost: no heartbeat for 5.30 s, its ranks at step 9 (attempt 0)"),
     ("worker_failed", {"rank": 0, "exit_code": 2, "fatal": 7},
-     "rank 0 declared a fatal error (code 7): no restart"),
+     "rank 0: a fatal error (code 7): no restart"),
     ("stacks_dumped", {"path": "/r/stacks-1.txt"}, "stacks of the hung workers are in /r/stacks-1.txt"),
     ("replication_refused", {"peer": "127.0.0.1:5"},
      "refused a replication connection without the job's secret from 127.0.0.1:5"),

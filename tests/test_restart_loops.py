@@ -48,13 +48,38 @@ UNSNAPSHOTTABLE = textwrap.dedent("""
 """)
 
 
-def run(tmp_path, source: str):
+# an object whose load_state_dict refuses what its state_dict() gave: the first attempt
+# saves, its rank 1 is killed; every restore afterwards would be refused the same way
+REFUSES_ITS_STATE = textwrap.dedent("""
+    import os, signal, torch, torch.distributed as dist, ckptrun
+    dist.init_process_group("gloo")
+    class Picky:
+        def __init__(self): self.n = 0
+        def state_dict(self): return {"n": self.n}
+        def load_state_dict(self, sd): raise ValueError(f"Picky cannot take {sd}")
+    picky = Picky()
+    ckpt = ckptrun.Checkpointer({"w": torch.zeros(4), "picky": picky})
+    start = ckpt.restore()
+    for step in range(start, 6):
+        dist.barrier()  # the ranks go step by step: both hold step 3 when rank 1 dies
+        picky.n = step + 1
+        ckpt.save(step + 1)
+        ckpt.wait()
+        if step + 1 == 3 and dist.get_rank() == 1 \\
+                and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+""")
+
+
+def run(tmp_path, source: str, nproc: int = 1):
     script = tmp_path / "train.py"
     script.write_text(source)
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ckptrun.cli", "--standalone",
-                           "--nproc-per-node", "1", "--run-dir", str(run_dir), str(script)],
+                           "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
+                           str(script)],
                           capture_output=True, text=True, timeout=300)
     with open(run_dir / "events.jsonl") as f:
         evts = [json.loads(line) for line in f if line.strip()]
@@ -94,3 +119,38 @@ def test_state_that_cannot_be_snapshotted_stops_the_job_at_once(tmp_path):
     assert [(e["rank"], e.get("fatal")) for e in failed] == [(0, 1)], failed
     assert "cannot snapshot torch.utils.data.dataloader.DataLoader at 'data'" in proc.stderr
     assert "StatefulDataLoader is a drop-in replacement" in proc.stderr
+
+
+def test_a_restored_state_an_object_refuses_stops_the_job_in_one_attempt(tmp_path):
+    """The restore after the kill finds the state, and a registered object's load_state_dict
+    refuses it on both ranks: the job stops after that one attempt (exit 2), saying which
+    entry, which rank and why -- not a restart into the same refusal, three times."""
+    proc, evts, _ = run(tmp_path, REFUSES_ITS_STATE, nproc=2)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [e["attempt"] for e in evts if e["event"] == "restart"] == [1], evts
+    fatal = [e for e in evts if e["event"] == "worker_failed" and e.get("fatal")]
+    assert fatal and fatal[0]["fatal"] == 3, evts
+    assert ("cannot load the restored 'picky' into Picky.load_state_dict: ValueError: Picky "
+            "cannot take {'n': 3}") in proc.stderr, proc.stderr[-3000:]
+    assert "could not load its restored state; a restart would load the same: no restart" \
+        in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("attempts,stops", [
+    # whichever ranks reported it, the same failure: the third stops the job
+    ([[(0, "exit code 1", "E: rank 0"), (1, "exit code 1", "E: rank 1")],
+      [(1, "exit code 1", "E: rank 1")],
+      [(0, "exit code 1", "E: rank 0")]], [False, False, True]),
+    # a failure that is no longer among them starts the count again
+    ([[(0, "exit code 1", "A"), (1, "exit code 1", "B")],
+      [(1, "exit code 1", "B")],
+      [(0, "exit code 1", "A")],
+      [(0, "exit code 1", "A")],
+      [(0, "exit code 1", "A"), (1, "signal SIGKILL", "")]], [False, False, False, False, True]),
+])
+def test_the_same_failure_is_counted_whichever_ranks_reported_it(attempts, stops):
+    from ckptrun.agent.restart_loops import RestartLoops, signature
+
+    loops = RestartLoops()
+    assert [loops.failed(signature(a), progressed=False) for a in attempts] == stops
+    assert not loops.failed(signature(attempts[-1]), progressed=True)  # progress: from 1

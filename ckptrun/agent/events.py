@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from ckptrun.protocol.control import Fatal
+
 EVENTS_FILE = "events.jsonl"
 STATUS_FILE = "status.json"
 
@@ -123,7 +125,8 @@ def describe(e: Dict[str, Any]) -> Optional[str]:
     attempt = f" (attempt {e['attempt']})" if e.get("attempt") is not None else ""
     if kind == "worker_failed":
         if e.get("fatal"):
-            return f"rank {rank} declared a fatal error (code {e['fatal']}): no restart{attempt}"
+            why = Fatal.TEXT.get(e["fatal"], f"a fatal error (code {e['fatal']})")
+            return f"rank {rank}: {why}: no restart{attempt}"
         how = (f"was killed by {e['signal']}" if e.get("signal") is not None
                else f"exited with code {e.get('exit_code')}")
         return f"rank {rank} {how}{attempt}"

@@ -5,12 +5,19 @@ otherwise be restarted ``--max-restarts`` times (10 by default), printing the sa
 every time.  Progress is a snapshot committed since the attempt's restore: between failures
 that make none, a third identical failure stops the job; ``--max-restarts`` still caps the
 failures between which training advanced.
+
+"Identical" is by what failed, not by which ranks reported it: when one rank fails, the
+agent stops the others, and whether one of them failed the same way first is a race --
+counted by the set of ranks, a load that every rank refused took six attempts to stop
+instead of three.  So attempts fail "the same way" while some (how, message) pair -- rank
+numbers in the message left out -- is among the failures of every one of them.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Iterable, Optional, Tuple
+import re
+from typing import FrozenSet, Iterable, Optional, Tuple
 
 LIMIT = 3  # attempts failing the same way in a row, with no step committed between them
 
@@ -23,15 +30,22 @@ class RestartLoops:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self.count = 0
-        self._last: Optional[Signature] = None
+        self._common: Optional[FrozenSet[Tuple[str, str]]] = None
 
     def failed(self, signature: Signature, progressed: bool) -> bool:
         """Record an attempt's failure; True when the job should stop instead of restarting."""
-        if progressed or signature != self._last:
-            self.count = 0
-        self._last = signature
+        kinds = frozenset((how, _without_numbers(msg)) for _, how, msg in signature)
+        common = None if progressed or self._common is None else self._common & kinds
+        if not common:
+            self.count, common = 0, kinds
+        self._common = common
         self.count += 1
         return self.count >= self.limit
+
+
+def _without_numbers(message: str) -> str:
+    """``message`` with its numbers left out ("rank 1: ..." and "rank 0: ..." are alike)."""
+    return re.sub(r"\d+", "N", message)
 
 
 def signature(failures: Iterable[Tuple[int, str, str]]) -> Signature:

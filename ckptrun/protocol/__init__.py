@@ -19,6 +19,7 @@ from ckptrun.protocol.control import (
     CONTROL_MAGIC,
     RECORD_SIZE,
     ControlBlock,
+    Fatal,
     Phase,
 )
 from ckptrun.protocol.env import (
@@ -60,7 +61,7 @@ from ckptrun.protocol.slot_file import (
 )
 
 __all__ = [
-    "CONTROL_HEADER_SIZE", "CONTROL_MAGIC", "RECORD_SIZE", "ControlBlock", "Phase",
+    "CONTROL_HEADER_SIZE", "CONTROL_MAGIC", "RECORD_SIZE", "ControlBlock", "Fatal", "Phase",
     "DEFAULT_NUM_SLOTS", "ENV_CONTROL", "ENV_EVERY", "ENV_HOT_SPARE", "ENV_LOCAL_RANK", "ENV_MAX_STATE_BYTES", "ENV_NUM_SLOTS",
     "ENV_PERSIST_TO", "ENV_RESTORE", "ENV_RUN_DIR", "ENV_SLOT_PREFIX", "ENV_STACKS_FILE",
     "SHM_DIR", "SHM_PREFIX", "ShmMaps", "control_path", "create_shm_file", "fill_zeros", "open_private", "open_shm_file",

@@ -29,6 +29,15 @@ class Phase:
     NAMES = {0: "init", 1: "running", 2: "saving", 3: "restoring", 4: "done"}
 
 
+class Fatal:
+    """Values of the ``fatal`` field: why a restart cannot help (the agent stops the job)."""
+
+    CONFIG = 1  # the state cannot be snapshotted, /dev/shm is too small
+    RESTORE = 3  # a registered object refused its restored value (restore() says which)
+    TEXT = {CONFIG: "a configuration error a restart cannot fix",
+            RESTORE: "could not load its restored state; a restart would load the same"}
+
+
 # Field name -> (offset in record, struct format).  Workers write the first group,
 # the agent writes ``pin``.
 _FIELDS = {

@@ -4,8 +4,9 @@ Used by both sides -- the worker writes snapshots into its slots, the agent and 
 verify, copy and persist them -- so nothing here imports the agent, the worker side, a tier
 or the command line.  Its parts:
 
-* :mod:`~ckptrun.snapshot.tree` -- state tree <-> (skeleton, tensors), and loading it back
-  into live objects;
+* :mod:`~ckptrun.snapshot.tree` -- state tree <-> (skeleton, tensors);
+* :mod:`~ckptrun.snapshot.loading` -- loading restored state back into the live objects, in
+  the types their ``state_dict()`` gave (DTensors, devices);
 * :mod:`~ckptrun.snapshot.slots` -- writing a snapshot into a slot file with its checksum,
   reading and verifying one;
 * :mod:`~ckptrun.snapshot.copyplan` -- how a slot write moves the tensors (batched small
@@ -16,6 +17,7 @@ or the command line.  Its parts:
 The names the rest of the code uses are re-exported here (``from ckptrun import snapshot``).
 """
 
+from ckptrun.snapshot.loading import LoadFailed, load_into
 from ckptrun.snapshot.rng import DeferredRNG, capture_rng, restore_rng
 from ckptrun.snapshot.slots import (
     dtype_from_name,
@@ -37,7 +39,6 @@ from ckptrun.snapshot.tree import (
     flatten,
     flatten_state,
     is_dtensor,
-    load_into,
     make_meta,
     meta_json,
     tensor_entries,
@@ -50,5 +51,5 @@ __all__ = [
     "slot_checksum", "slot_size", "verify_slot", "write_slot",
     "FORMAT", "Flattened", "dtensor_class", "find_optimizers", "flatten", "flatten_state",
     "is_dtensor", "load_into", "make_meta", "meta_json", "tensor_entries", "unflatten",
-    "Unsnapshottable",
+    "LoadFailed", "Unsnapshottable",
 ]

@@ -217,14 +217,14 @@ def _enc_any(x: Any, path: str, fl: Flattened, live: Optional[Set[int]]) -> Any:
     if isinstance(x, torch.Generator):  # restored in place by load_into
         return {"o": _enc({GENERATOR_KEY: x.get_state()}, path, fl, live)}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # its fields, set back in place
-        return {"o": _enc(_fields(x), path, fl, live)}
+        return {"o": _enc(dataclass_fields(x), path, fl, live)}
     raise Unsnapshottable(
         f"ckptrun: cannot snapshot {type(x).__module__}.{type(x).__qualname__} at "
         f"{path or '<root>'!r}: {_instead(x)}"
     )
 
 
-def _fields(x: Any) -> Dict[str, Any]:
+def dataclass_fields(x: Any) -> Dict[str, Any]:
     """A dataclass instance's fields by name (not ``dataclasses.asdict``: that deep-copies
     them, tensors included, on every save)."""
     return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
@@ -339,60 +339,6 @@ def _dec(n: Any, ts: List[torch.Tensor]) -> Any:
     raise ValueError(f"ckptrun: unknown snapshot tree tag {tag!r}")
 
 
-def load_into(target: Dict[Any, Any], restored: Dict[Any, Any],
-              needs_live: Optional[Set[int]] = None, path: str = "") -> None:
-    """Load ``restored`` (from :func:`unflatten`) into the live ``target`` state in place.
-
-    Objects get ``load_state_dict`` -- with what their ``state_dict()`` gave: where the
-    restored value holds a tensor of ``needs_live`` (ids of tensors that were DTensor shards
-    or lived on a device), the object's live ``state_dict()`` is asked and those tensors take
-    its types and devices (:mod:`ckptrun.snapshot.live_types`); generators ``set_state``; a
-    dataclass instance its fields (each loaded the same way); tensors are overwritten in place
-    when shape and dtype match (a DTensor's local shard, for a DTensor) -- the script keeps
-    its references; nested dicts are updated recursively; anything else replaces the entry.
-    """
-    from ckptrun.snapshot.live_types import as_live, holds_any
-
-    for k, new in restored.items():
-        cur = target.get(k, None) if isinstance(target, dict) else None
-        where = f"{path}/{k}" if path else str(k)
-        if cur is not None and hasattr(cur, "load_state_dict") and not isinstance(cur, torch.Tensor) \
-                and hasattr(cur, "state_dict"):
-            # (the FSDP2 adapter's wrappers put shards into the live DTensors themselves)
-            if needs_live and holds_any(new, needs_live) \
-                    and not getattr(cur, "ckptrun_loads_shards", False):
-                new = as_live(new, cur.state_dict(), where)
-            cur.load_state_dict(new)
-        elif isinstance(cur, torch.Generator) and isinstance(new, dict) and GENERATOR_KEY in new:
-            cur.set_state(new[GENERATOR_KEY])
-        elif dataclasses.is_dataclass(cur) and not isinstance(cur, type) \
-                and isinstance(new, dict):
-            fields = _fields(cur)
-            load_into(fields, {n: v for n, v in new.items() if n in fields}, needs_live, where)
-            for name in new:
-                if name in fields:  # (object's own setattr: frozen ones are restored too)
-                    object.__setattr__(cur, name, fields[name])
-        elif is_dtensor(cur) and isinstance(new, torch.Tensor) \
-                and cur.to_local().shape == new.shape and cur.dtype == new.dtype:
-            with torch.no_grad():  # a DTensor registered as such: its shard, in place
-                local = cur.to_local()
-                if local.data_ptr() != new.data_ptr():
-                    local.copy_(new)
-        elif isinstance(cur, torch.Tensor) and isinstance(new, torch.Tensor) \
-                and cur.shape == new.shape and cur.dtype == new.dtype:
-            with torch.no_grad():
-                cur.copy_(new)
-        elif isinstance(cur, np.ndarray) and isinstance(new, np.ndarray) \
-                and cur.shape == new.shape and cur.dtype == new.dtype and cur.flags.writeable:
-            cur[...] = new
-        elif type(cur) is dict and type(new) is dict:
-            load_into(cur, new, needs_live, where)
-            for extra in [e for e in cur if e not in new]:
-                del cur[extra]
-        else:
-            target[k] = new
-
-
 # --------------------------------------------------------------------------- meta
 
 
@@ -406,7 +352,7 @@ def tensor_entries(items: List[Tuple[str, torch.Tensor]], offsets: List[int],
         for (p, t), o in zip(items, offsets)
     ]
     for e, (_, t) in zip(entries, items):
-        if t.device.type != "cpu":  # a restore gives it back there (snapshot.live_types)
+        if t.device.type != "cpu":  # a restore gives it back there (snapshot.loading)
             e["device"] = str(t.device)
     for i, layout in (shards or {}).items():
         entries[i].update(layout)

@@ -34,6 +34,7 @@ from ckptrun.protocol import (
     ENV_PERSIST_TO,
     ENV_RESTORE,
     ENV_SLOT_PREFIX,
+    Fatal,
     Phase,
     SlotState,
 )
@@ -69,6 +70,21 @@ def abandon_all() -> None:
     (no final snapshot, no persist -- the attempt they belong to is over)."""
     for ck in list(_live):
         ck._abandon()
+
+
+class RestoreFailed(RuntimeError):
+    """``restore()`` found the state but a registered object refused it (its message names
+    the entry, the rank and why); under the launcher the job stops instead of restarting
+    into the same refusal -- unless the refusal was a collective that failed (a peer gone
+    during the load), which a restart can fix."""
+
+
+def _distributed_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed's (a collective, the store, the network)."""
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if isinstance(k, type))
+    return bool(kinds) and isinstance(exc, kinds)
 
 
 class Checkpointer:
@@ -250,7 +266,7 @@ class Checkpointer:
         try:
             fl = S.flatten_state(self._full_state())
         except S.Unsnapshottable:
-            self._ctl("fatal", 1)  # a restart would fail the same way: the agent stops the job
+            self._ctl("fatal", Fatal.CONFIG)  # a restart would fail the same way: the job stops
             raise
         for opt in fl.optimizers:
             self._hook(opt)
@@ -268,7 +284,7 @@ class Checkpointer:
         try:
             mm = self._slots.ensure(k, slot_size(len(mj), lay.data_len), len(mj), lay.data_len)
         except ShmTooSmall:
-            self._ctl("fatal", 1)  # a restart cannot fix this: the agent stops the job
+            self._ctl("fatal", Fatal.CONFIG)  # a restart cannot fix this: the agent stops the job
             raise
         job = SlotWrite(mm, mj, tensors, lay.offsets, lay.data_len, step, self.rank,
                         self.world_size)
@@ -519,10 +535,15 @@ class Checkpointer:
         view = self._view()
         target = dict(view)
         # the restored tensors that were DTensor shards or lived on a device: the objects
-        # holding them are given them back in those types (snapshot.live_types)
+        # holding them are given them back in those types (snapshot.loading)
         needs_live = {id(t) for d, t in zip(meta["tensors"], tensors)
                       if "global_shape" in d or d.get("device")}
-        S.load_into(target, restored, needs_live)
+        try:
+            S.load_into(target, restored, needs_live)
+        except S.LoadFailed as exc:
+            if not _distributed_error(exc.cause):  # the same state would fail the same way
+                self._ctl("fatal", Fatal.RESTORE)
+            raise RestoreFailed(f"ckptrun: rank {self.rank}: {exc}") from None
         for k, v in target.items():  # plain entries are replaced in the script's own dict
             # (entries an adapter added to the view, e.g. DDP's bucket layouts, are not the
             # script's: they stay out of its dict)
