@@ -41,6 +41,21 @@ def test_a_stopped_rank_is_named_not_the_one_waiting():
     assert hang is not None and hang.ranks == [1] and not hang.deadlock and hang.silent_s == 3
 
 
+def test_a_rank_stopped_for_the_timeout_is_named_while_the_others_advance():
+    """Independent workers: rank 0 advances, rank 1 is stopped (state T) -- hung, named.  A
+    silent sampler in a process that is not stopped (a native call holding the GIL) is no
+    verdict while another rank advances."""
+    d = HangDetector(2.0)
+    d.reset(now=0.0)
+    watched(d, 0, 100.0, advanced=99.9)
+    watched(d, 1, 100.0, advanced=97.0, sampled=97.0)
+    assert d.verdict(now=100.0) is None  # someone advances: the job-wide rule says no
+    hang = d.verdict(now=100.0, is_stopped=lambda r: r == 1)
+    assert hang is not None and hang.ranks == [1] and not hang.deadlock and hang.silent_s == 3
+    assert d.verdict(now=100.0, is_stopped=lambda r: False) is None
+    assert d.verdict(now=98.5, is_stopped=lambda r: r == 1) is None  # within the timeout
+
+
 def test_a_deadlock_names_every_rank_and_waits_for_other_nodes_first():
     d = HangDetector(2.0)
     d.reset(now=0.0)
@@ -102,6 +117,26 @@ def test_a_stopped_rank_is_caught_within_the_timeout_and_named(tmp_path, ckptrun
     assert 2.0 <= hangs[0]["time"] - stopped_at <= 2.0 + 1.0, (hangs, stopped_at)
     assert "ckptrun: rank 1 stopped (no sign of life): no rank advanced for" in p.stderr
     assert [e["attempt"] for e in of(evts, "restart")] == [1]
+
+
+def test_a_stopped_rank_is_caught_while_independent_ranks_advance(tmp_path, ckptrun_run):
+    """No collectives: rank 0 goes on stepping while rank 1 is stopped; rank 1 is named and
+    the job restarted within the timeout all the same."""
+    run_dir, mark = str(tmp_path / "run"), str(tmp_path / "stopped-at")
+    p = ckptrun_run("--standalone", "--nproc-per-node", "2", "--hang-timeout", "2",
+                    "--run-dir", run_dir, JOB, "--mode", "stop", "--mark", mark,
+                    "--independent", "--steps", "150", "--step-time", "0.05")
+    assert p.returncode == 0, p.stderr[-3000:]
+    evts = run_events(run_dir)
+    hangs = of(evts, "hang_detected")
+    assert [(e["rank"], e["why"]) for e in hangs] == [(1, "stopped")], evts
+    # silent for the timeout since its sampler's last sample, which came a little before the
+    # mark the script wrote just before stopping itself
+    assert hangs[0]["seconds_silent"] >= 2.0, hangs
+    stopped_at = float(open(mark).read())
+    assert 1.5 <= hangs[0]["time"] - stopped_at <= 2.0 + 1.5, (hangs, stopped_at)
+    assert [e["attempt"] for e in of(evts, "restart")] == [1]
+    assert of(evts, "finished")[-1]["exit_code"] == 0
 
 
 @pytest.mark.parametrize("at", [3, 0])

@@ -2,7 +2,9 @@
 
 A job is hung when **no rank of it advances** for the timeout -- a deadlock, a stopped
 process, a collective that never completes -- not when one rank waits for another that is
-busy (rank 0 evaluating alone while rank 1 sits in the next all-reduce).  Each worker's
+busy (rank 0 evaluating alone while rank 1 sits in the next all-reduce).  A rank whose
+process is stopped (state T) for the timeout is hung even while the others advance: workers
+without collectives never wait on it.  Each worker's
 sampler (``ckptrun.worker.progress``) writes into the control block when its main thread
 last advanced and when it last sampled at all; other nodes' progress arrives through
 :class:`ckptrun.agent.membership.Liveness`.  A verdict names the ranks whose sampler went
@@ -31,7 +33,7 @@ import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import psutil
 
@@ -137,14 +139,26 @@ class HangDetector:
         return max(times)
 
     def verdict(self, now: Optional[float] = None,
-                remote_age: Optional[float] = None) -> Optional[Hang]:
-        """A :class:`Hang` when no rank of the job advanced for the timeout, else None.
-        ``remote_age``: seconds since another node last reported progress (None: one node)."""
+                remote_age: Optional[float] = None,
+                is_stopped: Optional[Callable[[int], bool]] = None) -> Optional[Hang]:
+        """A :class:`Hang` when no rank of the job advanced for the timeout, or when a rank
+        has been stopped for its timeout (``is_stopped(local_rank)``: its process is in state
+        T) while others advance -- independent workers never wait on it, and a process that
+        cannot run at all is hung whatever its peers do.  A rank computing alone is not:
+        its sampler goes on.  ``remote_age``: seconds since another node last reported
+        progress (None: one node)."""
         now = time.monotonic() if now is None else now
         watched = {r: st for r, st in self._ranks.items()
                    if st.phase != Phase.DONE and self.timeout_for(r) is not None}
         if not watched:
             return None
+        if is_stopped is not None:
+            long_stopped = sorted(r for r, st in watched.items()
+                                  if st.sampled and now - st.sampled > self.timeout_for(r)
+                                  and is_stopped(r))
+            if long_stopped:
+                silent = min(now - watched[r].sampled for r in long_stopped)
+                return Hang(round(silent, 3), long_stopped, deadlock=False)
         timeout = max(self.timeout_for(r) for r in watched)
         silent = now - self.local_progress(now)
         if remote_age is not None:
@@ -284,6 +298,11 @@ def _what(child: psutil.Process, rank: psutil.Process) -> str:
     if child.cmdline() == rank.cmdline():
         return "a fork of the rank: a data-loader worker, say"
     return name
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state T in ``/proc/<pid>/stat``)."""
+    return _stopped(pid)
 
 
 def _stopped(pid: int) -> bool:

@@ -36,7 +36,14 @@ from ckptrun.agent.events import (
     write_json_atomic,
 )
 from ckptrun.agent.failure_summary import Exit, failure_summary
-from ckptrun.agent.hang import Hang, HangDetector, dump_stacks, stacks_path, stopped_descendant
+from ckptrun.agent.hang import (
+    Hang,
+    HangDetector,
+    dump_stacks,
+    process_stopped,
+    stacks_path,
+    stopped_descendant,
+)
 from ckptrun.agent.inplace import (
     UNWIND_TIMEOUT_S,
     ask,
@@ -591,7 +598,9 @@ class Agent:
             if now - self.hang.local_progress(now) < 1.0:
                 self.live.advancing()  # the other nodes' verdicts count our progress
             remote_age = self.live.remote_progress_age()
-        hang = self.hang.verdict(now, remote_age)
+        by_pid = {w.local_rank: w.pid for w in self.workers}
+        hang = self.hang.verdict(now, remote_age,
+                                 lambda lr: lr in by_pid and process_stopped(by_pid[lr]))
         if hang is not None:  # the ranks that stopped, not the ones waiting on them
             by_local = {w.local_rank: w for w in self.workers}
             children = {}  # local rank -> the stopped process it started

@@ -5,6 +5,8 @@
 while rank 1 waits in the next all-reduce -- a healthy job;
 ``--mode stop``: rank 1 writes the time to ``--mark`` and SIGSTOPs itself;
 ``--mode deadlock``: both ranks wait to receive from each other.
+``--independent``: no all-reduce, each rank steps alone (``--step-time`` s a step): a rank
+never waits on another.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--mark", default="")
     ap.add_argument("--at", type=int, default=3)
+    ap.add_argument("--independent", action="store_true")
+    ap.add_argument("--step-time", type=float, default=0.0)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, first = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -37,7 +41,10 @@ def main() -> None:
         if step == args.at and first:
             fail(args, rank)
         g = torch.ones(4) * (rank + 1)
-        dist.all_reduce(g)
+        if args.independent:
+            time.sleep(args.step_time)
+        else:
+            dist.all_reduce(g)
         w += g
         step += 1
         ckpt.save(step)
