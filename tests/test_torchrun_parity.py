@@ -232,7 +232,7 @@ def test_two_agents_on_loopback_start_without_a_secret(tmp_path):
     """torch's ``test_launch_elastic_multiple_agents``: two launchers of one user on one
     machine, ``--nnodes 1:2`` on a loopback endpoint, nothing else set.  torchrun needs no
     secret, and neither does ckptrun: its agents share one of the user's own (a 0600 file in
-    the user's cache).  A non-loopback endpoint still asks for one."""
+    the user's cache)."""
     env = {k: v for k, v in os.environ.items() if k != "CKPTRUN_SECRET"}
     env["HOME"] = str(tmp_path / "home")
     seen = {}
@@ -261,11 +261,7 @@ def test_two_agents_on_loopback_start_without_a_secret(tmp_path):
     assert seen["ckptrun"] == seen["torchrun"] == {0: ("2", "2"), 1: ("2", "2")}, seen
     secret = tmp_path / "home" / ".cache" / "ckptrun" / "local-secret"
     assert oct(os.stat(secret).st_mode & 0o777) == "0o600"
-    refused = launch("ckptrun", tmp_path / "far", "--nnodes", "2", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", "10.77.0.1:29400", PROBE, "--mode", "show",
-                     standalone=False, env={"CKPTRUN_SECRET": "", "HOME": env["HOME"]},
-                     timeout=60)
-    assert refused.returncode == 2 and "needs a secret" in refused.stderr, refused.stderr
+    # (a non-loopback endpoint still needs a secret: tests/security/test_sec_job_secret.py)
 
 
 @pytest.mark.slow

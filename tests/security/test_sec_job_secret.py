@@ -18,8 +18,12 @@ from ckptrun.tiers.peer.copies import PeerStore
 from ckptrun.tiers.peer.server import ReplicaServer, holdings
 from ckptrun.tiers.peer.wire import AuthError
 
+# several machines (the endpoint is taken for another machine's: see _several_machines)
 TWO = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29999",
        "--rdzv-id", "j1"]
+# several agents on this machine alone (torch's own launcher tests start them so)
+LOCAL_TWO = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29999",
+             "--rdzv-id", "j1"]
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +32,15 @@ def _in_tmp(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text("print('hi')\n")
     monkeypatch.delenv("CKPTRUN_SECRET", raising=False)
     monkeypatch.setenv("CKPTRUN_RDZV_CHECK_TIMEOUT", "0.2")
+
+
+@pytest.fixture(autouse=True)
+def _several_machines(request, monkeypatch):
+    """The tests of a job on several machines run on this one, whose loopback endpoint would
+    give its agents the user's own secret (``LOCAL_TWO``): the endpoint is taken for another
+    machine's instead -- no test here may reach out to a real other address."""
+    if "loopback" not in request.node.name:
+        monkeypatch.setattr("ckptrun.cli.args._loopback", lambda endpoint: False)
 
 
 def _refusal(argv) -> str:
@@ -46,6 +59,21 @@ def test_insecure_accepts_the_risk_and_says_so(capsys):
     cfg = parse([*TWO, "--insecure", "train.py"])
     assert cfg.secret is None and cfg.insecure
     assert "--insecure" in capsys.readouterr().err
+
+
+def test_agents_on_loopback_share_the_users_own_secret(tmp_path, monkeypatch):
+    """No secret given, every agent on this machine: the user's 0600 file, made once and the
+    same for each agent; a file there that is not the user's alone is refused, not used."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    first = parse([*LOCAL_TWO, "train.py"]).secret
+    second = parse([*LOCAL_TWO, "train.py"]).secret
+    path = tmp_path / "home" / ".cache" / "ckptrun" / "local-secret"
+    assert first and first == second == path.read_bytes().strip()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    path.chmod(0o644)
+    msg = _refusal([*LOCAL_TWO, "train.py"])
+    assert "chmod 600" in msg and "CKPTRUN_SECRET" in msg
 
 
 def test_one_machine_needs_no_secret():
