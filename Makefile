@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[test]'
+	@# torchtitan's training-state components for tests/test_adapters_torchtitan.py, without
+	@# the rest of what torchtitan lists (datasets, tensorboard, wandb, ...: its trainer's and
+	@# data pipeline's, which the test does not run); its components need tyro and spmd_types
+	$(PY) -m pip install -q --no-deps 'torchtitan==0.3.0'
+	$(PY) -m pip install -q tyro 'spmd_types==0.2.3'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -32,10 +32,17 @@ class LoadFailed(Exception):
     ``cause`` the exception."""
 
     def __init__(self, entry: str, into: str, cause: BaseException) -> None:
-        text = str(cause).strip().splitlines()
         super().__init__(f"cannot load the restored {entry!r} into {into}: "
-                         f"{type(cause).__name__}: {text[0][:300] if text else ''}".rstrip(": "))
+                         f"{type(cause).__name__}: {_one_line(str(cause))}".rstrip(": "))
         self.entry, self.into, self.cause = entry, into, cause
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """``text`` on one line, its middle left out past ``limit`` characters: torch's load
+    errors say what failed on the first line ("Error(s) in loading state_dict for X") and why
+    on the last ("got mixed torch.Tensor and DTensor")."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else f"{flat[:limit // 3]} ... {flat[-(2 * limit) // 3:]}"
 
 
 class LiveMismatch(ValueError):
