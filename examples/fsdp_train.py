@@ -63,16 +63,19 @@ class ModelState:
 class OptimState:
     """An optimizer as torchtitan's ``OptimizersContainer`` hands it to DCP (flattened)."""
 
-    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.model, self.opt = model, opt
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.opt, options=self.OPTIONS)
+        return get_optimizer_state_dict(self.model, self.opt, options=self.options)
 
     def load_state_dict(self, sd: dict) -> None:
-        set_optimizer_state_dict(self.model, self.opt, sd, options=self.OPTIONS)
+        # a fresh optimizer has no state yet for DCP to load into (torch asks for a device):
+        # getting its state dict creates it, as torchtitan's init_optim_state does
+        get_optimizer_state_dict(self.model, self.opt, options=self.options)
+        set_optimizer_state_dict(self.model, self.opt, sd, options=self.options)
 
 
 def train(a: argparse.Namespace) -> None:
