@@ -122,10 +122,21 @@ def test_write_json_atomic_failure_leaves_old_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
 
 
-def test_read_json_missing_or_invalid(tmp_path):
+def test_read_json_missing_or_not_what_ckptrun_writes(tmp_path):
+    """Missing: None.  Not JSON (ckptrun replaces its files whole, never half written), a
+    symlink, a FIFO: refused in one line (tests/security/test_sec_planted_files.py has more)."""
+    from ckptrun.protocol.untrusted import UntrustedFile
+
     assert read_json(str(tmp_path / "none.json")) is None
     (tmp_path / "bad.json").write_text("{")
-    assert read_json(str(tmp_path / "bad.json")) is None
+    with pytest.raises(UntrustedFile, match="bad.json is not JSON"):
+        read_json(str(tmp_path / "bad.json"))
+    os.symlink("/dev/zero", tmp_path / "zero.json")
+    with pytest.raises(UntrustedFile, match="symbolic link"):
+        read_json(str(tmp_path / "zero.json"))
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(UntrustedFile, match="not a regular file"):
+        read_json(str(tmp_path / "fifo.json"))
 
 
 def test_failures_and_recoveries_are_echoed_one_line_each(tmp_path):

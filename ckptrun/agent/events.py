@@ -19,9 +19,14 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from ckptrun.protocol.control import Fatal
+from ckptrun.protocol.untrusted import MAX_JSON_DEPTH, depth, read_regular
 
 EVENTS_FILE = "events.jsonl"
 STATUS_FILE = "status.json"
+# what a reader takes of the run directory's files: the newest 64 MiB of events (a long job's
+# log may be larger; readers want its end), a status file of at most 16 MiB
+EVENTS_READ_BYTES = 64 << 20
+JSON_FILE_MAX_BYTES = 16 << 20
 
 
 def ensure_run_dir(run_dir: str) -> str:
@@ -222,26 +227,32 @@ def _secs(value: Any) -> str:
 
 
 def read_events(run_dir: str) -> List[Dict[str, Any]]:
-    """All events of ``run_dir`` in file order; ``[]`` if there is no log yet.
+    """The events of ``run_dir`` in file order (of a log over :data:`EVENTS_READ_BYTES`, the
+    newest); ``[]`` if there is no log yet.  :class:`UntrustedFile` where the log is not a
+    regular file (a symlink, a FIFO, a device).
 
     A line that is not a complete JSON object (a writer killed mid-line, or a line being
-    appended right now) is skipped rather than failing the reader.
+    appended right now) is skipped rather than failing the reader, and so is one nested
+    deeper than ckptrun writes.
     """
     path = os.path.join(run_dir, EVENTS_FILE)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path, EVENTS_READ_BYTES, tail=True)
     except FileNotFoundError:
         return []
+    lines = data.split(b"\n")
+    if len(data) >= EVENTS_READ_BYTES:
+        lines = lines[1:]  # the first is cut
     events: List[Dict[str, Any]] = []
-    for raw in data.split(b"\n"):
+    for raw in lines:
         if not raw.strip():
             continue
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(obj, dict):
+        if isinstance(obj, dict) and isinstance(obj.get("event"), str) \
+                and depth(obj) <= MAX_JSON_DEPTH:
             events.append(obj)
     return events
 
@@ -268,9 +279,13 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def read_json(path: str) -> Optional[Any]:
-    """Read a JSON file written by :func:`write_json_atomic`; ``None`` if missing or invalid."""
+    """Read a JSON file written by :func:`write_json_atomic`; ``None`` if missing.
+    :class:`~ckptrun.protocol.untrusted.UntrustedFile` where it is not what ckptrun writes --
+    such a file is replaced whole, never half written: a symlink, a FIFO, a device, over
+    :data:`JSON_FILE_MAX_BYTES`, not JSON or nested deeper than ckptrun nests."""
+    from ckptrun.protocol.untrusted import read_json as read_checked
+
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return read_checked(path, JSON_FILE_MAX_BYTES)
+    except FileNotFoundError:
         return None

@@ -39,6 +39,7 @@ import psutil
 
 from ckptrun.agent.stopping import stat_fields
 from ckptrun.protocol import Phase
+from ckptrun.protocol.job_secret import without_secret
 
 AUTO_FIRST_WINDOW_S = 120.0
 AUTO_FLOOR_S = 30.0
@@ -188,6 +189,7 @@ def _py_spy(pid: int, timeout: float = 5.0) -> Optional[str]:
         return None
     try:
         out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True,
+                             env=without_secret(os.environ),
                              text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -84,10 +84,12 @@ class Reaper:
     """Agent side: starts the watchdog and keeps it informed."""
 
     def __init__(self, job_token: str):
+        from ckptrun.protocol.job_secret import without_secret
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ckptrun.agent.reaper", job_token],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True,
+            close_fds=True, env=without_secret(os.environ),
         )
         self._fd = self.proc.stdin.fileno()
 

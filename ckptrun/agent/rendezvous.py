@@ -346,6 +346,7 @@ def agent_base_env(cfg: AgentConfig) -> Dict[str, str]:
     own ``os.environ``; here they go into a copy, the agent's environment stays untouched."""
     env = dict(os.environ)
     for name in (ENV_SECRET, ENV_SECRET_FILE):  # the job secret is the agent's, not the script's
+        # (the same names as job_secret.without_secret, for the agent's other helpers)
         env.pop(name, None)
     if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"

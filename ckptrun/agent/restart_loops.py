@@ -15,9 +15,10 @@ numbers in the message left out -- is among the failures of every one of them.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import FrozenSet, Iterable, Optional, Tuple
+
+from ckptrun.protocol.untrusted import UntrustedFile, read_json
 
 LIMIT = 3  # attempts failing the same way in a row, with no step committed between them
 
@@ -55,10 +56,9 @@ def signature(failures: Iterable[Tuple[int, str, str]]) -> Signature:
 def error_message(error_file: str) -> str:
     """The first line of the message a worker's ``@record`` wrote (torchelastic's error file),
     or "" when there is none."""
-    try:
-        with open(error_file) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+    try:  # the worker writes it; what is there may be anything (untrusted)
+        data = read_json(error_file, 1 << 20)
+    except (OSError, UntrustedFile):
         return ""
     msg = data.get("message") if isinstance(data, dict) else None
     if isinstance(msg, dict):

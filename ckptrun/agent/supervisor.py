@@ -68,6 +68,7 @@ from ckptrun.agent.restart_loops import RestartLoops, describe_how, error_messag
 from ckptrun.agent.standby import release_standbys, wait_for_a_place
 from ckptrun.agent.workers import Worker, WorkerLauncher, stop_workers, wait_for_exit
 from ckptrun.config import AgentConfig
+from ckptrun.protocol.untrusted import UntrustedFile
 from ckptrun.tiers.interface import Tier
 from ckptrun.tiers.memory.node import NodeMemory
 from ckptrun.tiers.peer.standby_copies import describe as describe_standby
@@ -504,12 +505,30 @@ class Agent:
             if epoch != self.epoch:
                 self.clock.failed()  # another node's failure: counted from here
                 return epoch  # another node failed: restart here too
-            rollback = read_json(os.path.join(self.run_dir, "rollback.json"))
+            rollback = self._rollback_asked()
             if rollback is not None:  # ``ckptrun restore --rollback N``: not a failure
-                os.unlink(os.path.join(self.run_dir, "rollback.json"))
-                self.coord.set_rollback(attempt + 1, int(rollback["step"]))
+                self.coord.set_rollback(attempt + 1, rollback)
                 return self.coord.request_restart(attempt)
             self._write_status()
+
+    def _rollback_asked(self) -> Optional[int]:
+        """The step ``ckptrun restore --rollback N`` asked for (its ``rollback.json``, taken
+        away once read); None when none was asked.  A file there that is not one ckptrun
+        wrote (a symlink, a FIFO, no step) is said in one line and removed, never followed."""
+        path = os.path.join(self.run_dir, "rollback.json")
+        if not os.path.lexists(path):
+            return None
+        try:
+            asked = read_json(path)
+            step = asked.get("step") if isinstance(asked, dict) else None
+            if asked is not None and (type(step) is not int or step < 0):
+                raise UntrustedFile(f"{path} names no step")
+        except UntrustedFile as e:
+            print(f"ckptrun: ignoring a rollback request: {e}", file=sys.stderr, flush=True)
+            step = None
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return step
 
     def _await_a_lost_machine(self, codes: List[int]) -> None:
         """A worker of a job on several machines raised (or aborted): most often because a

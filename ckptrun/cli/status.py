@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import click
 
 from ckptrun.agent.events import EVENTS_FILE, STATUS_FILE, describe, read_events, read_json
+from ckptrun.protocol.untrusted import UntrustedFile
 
 RUNS_DIR = "ckptrun-runs"
 LIVE_STATES = ("starting", "running", "restarting")
@@ -298,6 +299,19 @@ def status_command(ctx: click.Context, run_dir: Optional[str], as_json: bool, wa
     except NoRunError as exc:
         click.echo(f"ckptrun: error: {exc}", err=True)
         ctx.exit(2)
+    try:
+        _show(path, as_json, watch, interval)
+    except UntrustedFile as exc:
+        click.echo(f"ckptrun: error: {exc}", err=True)
+        ctx.exit(2)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        # a status.json or event of the right syntax and the wrong shape (someone else's)
+        click.echo(f"ckptrun: error: {path}: status.json or events.jsonl is not what ckptrun "
+                   f"writes ({type(exc).__name__}: {str(exc)[:200]})", err=True)
+        ctx.exit(2)
+
+
+def _show(path: str, as_json: bool, watch: bool, interval: float) -> None:
     if as_json and not watch:
         click.echo(json.dumps(load_status(path), default=str, indent=2))
         return

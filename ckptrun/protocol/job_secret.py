@@ -18,7 +18,7 @@ import hmac
 import os
 import secrets
 import stat
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 ENV_SECRET = "CKPTRUN_SECRET"
 ENV_SECRET_FILE = "CKPTRUN_SECRET_FILE"
@@ -76,6 +76,12 @@ def job_secret(secret_file: Optional[str], env: Mapping[str, str]) -> Optional[b
     if value is None or value == "":
         return None
     return _long_enough(value.strip().encode(), ENV_SECRET)
+
+
+def without_secret(env: Mapping[str, str]) -> Dict[str, str]:
+    """``env`` less the job secret's variables: what a process the agent starts -- a
+    worker, the reaper, py-spy -- is given (the secret is the agent's alone)."""
+    return {k: v for k, v in env.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
 
 
 def local_secret() -> bytes:

@@ -118,6 +118,26 @@ def test_the_workers_never_see_the_secret(tmp_path):
     assert not any("a secret the script" in v for v in dump.values())
 
 
+def test_the_reaper_never_sees_the_secret(tmp_path):
+    """The agent's helper processes run without it: the worker reads the environment of
+    its agent's reaper (a child of the same agent) while the job runs."""
+    script = tmp_path / "reaper_env.py"
+    script.write_text(
+        "import os, psutil\n"
+        "agent = psutil.Process(os.getppid())\n"
+        "reapers = [p for p in agent.children()\n"
+        "           if 'ckptrun.agent.reaper' in ' '.join(p.cmdline())]\n"
+        "env = open(f'/proc/{reapers[0].pid}/environ', 'rb').read()\n"
+        "print('REAPERS', len(reapers), 'SECRET' if b'CKPTRUN_SECRET' in env else 'CLEAN',\n"
+        "      flush=True)\n")
+    env = dict(os.environ, CKPTRUN_SECRET="a secret the reaper must not see!")
+    proc = subprocess.run([sys.executable, "-m", "ckptrun.cli", "--standalone",
+                           "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run"),
+                           str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REAPERS 1 CLEAN" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 def test_a_key_for_another_job_is_refused(tmp_path):
     secret = os.urandom(32)
     refused = []

@@ -30,6 +30,7 @@ import torch
 
 # DCP (and with it DTensor, ~700 modules) is imported where a step is written, not here: an
 # agent starts without it, and torch's rendezvous walks every loaded module at each event
+from ckptrun.protocol.untrusted import UntrustedFile, open_regular, read_regular
 from ckptrun.tiers.durable.index import FORMAT, IndexProblem, check_index
 from ckptrun.torchcompat import dcp as dcp_internals
 from ckptrun.torchcompat.save_format import BlobError, tensor_from_blob
@@ -40,6 +41,7 @@ PartInfo = Dict[str, Any]  # JSON-able: {"node", "step", "ranks": {r: {...}}, "b
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "ckptrun.json"
+INDEX_MAX_BYTES = 256 << 20  # ~1M tensor entries; a larger "index" is not one ckptrun wrote
 META_KEY = "__ckptrun_meta__"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -247,9 +249,11 @@ def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
     fs, sdir = _step_dir(url, step)
     path = posixpath.join(sdir, INDEX_NAME)
     try:
-        raw = fs.cat_file(path)
+        raw = _read_small(fs, path, INDEX_MAX_BYTES)
     except FileNotFoundError:
         return None
+    except UntrustedFile as e:
+        raise StorageError(str(e)) from e
     except OSError as e:
         raise StorageError(f"cannot read {path}: {_one_line(e)}") from e
     try:
@@ -257,6 +261,31 @@ def read_index(url: str, step: Optional[int]) -> Optional[Dict[str, Any]]:
     except (ValueError, RecursionError) as e:  # IndexProblem, JSONDecodeError, deep nesting
         what = str(e) if isinstance(e, IndexProblem) else f"not JSON ({_one_line(e)})"
         raise StorageError(f"{path} is malformed: {what}") from e
+
+
+def _read_small(fs, path: str, max_bytes: int) -> bytes:
+    """A file of at most ``max_bytes`` that someone else may have planted: locally a regular
+    file opened without following a symlink or blocking on a FIFO
+    (:mod:`ckptrun.protocol.untrusted`); elsewhere a file by the store's own listing."""
+    if _is_local(fs):
+        return read_regular(path, max_bytes)
+    info = fs.info(path)  # FileNotFoundError where there is none
+    if info.get("type") != "file":
+        raise UntrustedFile(f"{path} is not a file")
+    if int(info.get("size") or 0) > max_bytes:
+        raise UntrustedFile(f"{path} is {info.get('size')} bytes, more than {max_bytes}")
+    return fs.cat_file(path)
+
+
+def _open_data(fs, path: str):
+    """``(file, size)`` of a step's data file, opened as :func:`_read_small` opens."""
+    if _is_local(fs):
+        fd, size = open_regular(path)
+        return os.fdopen(fd, "rb"), size
+    info = fs.info(path)
+    if info.get("type") != "file":
+        raise UntrustedFile(f"{path} is not a file")
+    return fs.open(path, "rb"), int(info.get("size") or 0)
 
 
 def read_rank(url: str, step: Optional[int], rank: int, verify: bool = True,
@@ -327,8 +356,8 @@ def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) ->
         idxs.sort(key=lambda i: entries[i]["offset"])  # sequential reads hit the read-ahead cache
         path = posixpath.join(sdir, name)  # a checked DCP file name: stays inside sdir
         try:
-            size = fs.size(path)
-            with fs.open(path, "rb") as f:
+            f, size = _open_data(fs, path)
+            with f:
                 for i in idxs:
                     e = entries[i]
                     if e["offset"] + e["length"] > size:  # before allocating what it claims
@@ -344,6 +373,8 @@ def _read_entries(fs, sdir: str, entries: List[Dict[str, Any]], verify: bool) ->
                     if verify and checksum(t) != e["checksum"]:
                         raise StorageError(f"{path}: checksum mismatch for {e['key']}")
                     out[i] = t
+        except UntrustedFile as e:
+            raise StorageError(str(e)) from e
         except OSError as e:
             raise StorageError(f"cannot read {path}: {_one_line(e)}") from e
     return out  # type: ignore[return-value]
