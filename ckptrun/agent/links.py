@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from ckptrun.protocol.gate import Gate, accept_or_back_off, start_thread
 from ckptrun.store.kvstore import agreed_secret, as_text, wait_keys
 from ckptrun.tiers.peer.channel import Channel, ChannelError
 from ckptrun.tiers.peer.wire import AuthError, connect, parse_address, server_handshake
@@ -45,6 +46,7 @@ class Links:
         self._broken: Dict[int, float] = {}  # node -> when its link ended without a bye
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        self._gate = Gate("agent link")
         self._listener = socket.create_server((host, 0))
         self.address = self._listener.getsockname()[:2]
         store.set(f"{KEY}{node}", "{}:{}".format(*self.address))
@@ -68,6 +70,7 @@ class Links:
     def close(self) -> None:
         """Say goodbye on every link and stop listening: this agent leaves on purpose."""
         self._closing.set()
+        self._gate.close()
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
@@ -81,13 +84,14 @@ class Links:
 
     # -- the threads ----------------------------------------------------------------------------
     def _accept(self) -> None:
-        while not self._closing.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
+        while True:
+            got = accept_or_back_off(self._listener, "the agent links", self._closing)
+            if got is None:
                 return  # closed
-            threading.Thread(target=self._greet, args=(sock, peer), daemon=True,
-                             name="ckptrun-links-greet").start()
+            sock, peer = got
+            self._gate.admit(sock, peer[0])
+            if not start_thread(self._greet, (sock, peer), "ckptrun-links-greet", sock):
+                self._gate.leave(sock)
 
     def _greet(self, sock: socket.socket, peer) -> None:
         """A connecting agent: counted only once it proved it holds the job key, and only as
@@ -99,9 +103,11 @@ class Links:
             if not self.node < other < self.nnodes:
                 raise AuthError(f"a link from node {name!r}, which cannot link here")
         except (AuthError, OSError, ValueError) as e:
-            log.info("link from %s refused: %s", peer[0], e)
+            self._gate.leave(sock)
+            self._gate.report(peer[0], str(e))  # one line per few seconds, not one each
             sock.close()
             return
+        self._gate.proven(sock)
         self._watch(other, ch)
 
     def _connect(self, store, nodes: List[int]) -> None:

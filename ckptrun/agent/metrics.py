@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ckptrun.protocol.gate import Gate
+
 # upper bounds (s) of the downtime histogram: from a warm in-memory restore to a slow
 # machine replacement
 DOWNTIME_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -244,12 +246,38 @@ class MetricsServer:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(metrics)
         self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        self._gate = _gate_requests(self._server)
         host, real_port = self._server.server_address[:2]
         self.url = f"http://{_url_host(host)}:{real_port}/metrics"
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._gate.close()
+
+
+def _gate_requests(server: Any) -> Gate:
+    """Bound ``server``'s connections (a ``socketserver`` that starts a thread per request):
+    at most :data:`~ckptrun.protocol.gate.MAX_PENDING` at once, each done within the gate's
+    deadline -- a scrape takes milliseconds; a client that trickles its request line no longer
+    holds a thread for as long as it likes."""
+    gate = Gate("metrics connection")
+    process, shutdown = server.process_request, server.shutdown_request
+
+    def process_request(request: Any, client_address: Any) -> None:
+        gate.admit(request, str(client_address[0]))
+        try:
+            process(request, client_address)
+        except RuntimeError:  # no thread to be had now: the client retries
+            gate.leave(request)
+            request.close()
+
+    def shutdown_request(request: Any) -> None:
+        gate.leave(request)
+        shutdown(request)
+
+    server.process_request, server.shutdown_request = process_request, shutdown_request
+    return gate
 
 
 def _url_host(host: str) -> str:

@@ -8,7 +8,10 @@ package and the snapshot format only.  Its parts:
   commit pointers, the agent's pin);
 * :mod:`~ckptrun.protocol.slot_file` -- the *slot file* layout (binary header, JSON area,
   raw tensor bytes) and its life cycle;
-* :mod:`~ckptrun.protocol.shm` -- shared-memory files: names, creation, mapping.
+* :mod:`~ckptrun.protocol.shm` -- shared-memory files: names, creation, mapping;
+* :mod:`~ckptrun.protocol.untrusted` -- reading a file someone else may have planted;
+* :mod:`~ckptrun.protocol.gate` -- the bound in front of every listener (connections that
+  have not proven the key, a deadline for the whole handshake, accept() out of descriptors).
 
 Their names are re-exported here, so ``from ckptrun import protocol as P; P.SlotHeader`` is
 the way the rest of the code reads them.

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ckptrun import protocol as P
+from ckptrun.protocol.gate import Gate, accept_or_back_off, start_thread
 from ckptrun.tiers.peer.channel import PeerClosed
 from ckptrun.tiers.peer.copies import MapCache, PeerStore, done_with_map
 from ckptrun.tiers.peer.wire import (
@@ -45,7 +46,6 @@ MAX_RANK = 1 << 20
 MAX_META = 256 << 20  # a snapshot's JSON skeleton; far above any real one
 SHM_RESERVE = 0.05  # of /dev/shm that a put never takes (at least SHM_RESERVE_MIN bytes)
 SHM_RESERVE_MIN = 64 << 20
-REFUSAL_LOG_S = 10.0  # at most one refusal line (and event) per this many seconds
 
 
 class BadRequest(ValueError):
@@ -58,29 +58,6 @@ def field_int(req: dict, name: str, lo: int, hi: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise BadRequest(f"field {name!r} is not an integer in {lo}..{hi}")
     return v
-
-
-class _Refusals:
-    """Rate-limited reporting of refused connections: the first at once, then one line per
-    ``REFUSAL_LOG_S`` with how many more there were."""
-
-    def __init__(self, on_refused: Optional[Callable[[str], None]]) -> None:
-        self._on_refused = on_refused
-        self._lock = threading.Lock()
-        self._last = -REFUSAL_LOG_S
-        self._quiet = 0
-
-    def report(self, peer: str, why: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < REFUSAL_LOG_S:
-                self._quiet += 1
-                return
-            more, self._quiet, self._last = self._quiet, 0, now
-        log.warning("refused replica connection from %s: %s%s", peer, why,
-                    f" (and {more} more since the last report)" if more else "")
-        if self._on_refused:
-            self._on_refused(peer)
 
 
 class ReplicaServer:
@@ -97,7 +74,7 @@ class ReplicaServer:
         self._put_nice = put_nice  # niceness of the threads receiving pushes (0: unchanged)
         self._local_copy = local_copy  # (rank, step) -> path of this node's own slot, if any
         self._secret = secret
-        self._refusals = _Refusals(on_refused)
+        self._gate = Gate("replica connection", on_refused=on_refused)
         self._on_received = on_received
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,6 +89,7 @@ class ReplicaServer:
     def stop(self) -> None:
         """Stop listening; the store's cached mappings are unmapped (its files stay)."""
         self._stopped.set()
+        self._gate.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -121,19 +99,23 @@ class ReplicaServer:
         self.store.close()
 
     def _accept_loop(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
+        while True:
+            got = accept_or_back_off(self._sock, "the replica server", self._stopped)
+            if got is None:
                 return
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="ckptrun-replica-conn").start()
+            conn, peer = got
+            self._gate.admit(conn, f"{peer[0]}:{peer[1]}")
+            if not start_thread(self._serve, (conn, peer), "ckptrun-replica-conn", conn):
+                self._gate.leave(conn)
 
     def _serve(self, conn: socket.socket, peer) -> None:
         conn.settimeout(30.0)
         tune_socket(conn)
         try:
-            node, ch = server_handshake(conn, self._secret)
+            try:
+                node, ch = server_handshake(conn, self._secret)
+            finally:
+                self._gate.leave(conn)  # proven, or out: either way out of the gate
         except (PeerClosed, ConnectionResetError, BrokenPipeError, TimeoutError) as e:
             # gone before it said who it is: a peer agent that died mid-connect (every
             # machine loss made one) is not an intruder, and one that only connects and
@@ -143,7 +125,7 @@ class ReplicaServer:
             conn.close()
             return
         except (AuthError, ConnectionError, ValueError, OSError) as e:
-            self._refusals.report(f"{peer[0]}:{peer[1]}", str(e))
+            self._gate.report(f"{peer[0]}:{peer[1]}", str(e))
             conn.close()
             return
         try:
