@@ -131,9 +131,13 @@ def test_read_json_missing_or_not_what_ckptrun_writes(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(UntrustedFile, match="bad.json is not JSON"):
         read_json(str(tmp_path / "bad.json"))
-    os.symlink("/dev/zero", tmp_path / "zero.json")
-    with pytest.raises(UntrustedFile, match="symbolic link"):
+    os.symlink("/dev/zero", tmp_path / "zero.json")  # the user's own link, to a device
+    with pytest.raises(UntrustedFile, match="not a regular file"):
         read_json(str(tmp_path / "zero.json"))
+    if os.geteuid() == 0:  # another user's link is not even followed
+        os.lchown(tmp_path / "zero.json", 65534, 65534)
+        with pytest.raises(UntrustedFile, match="symbolic link of another user"):
+            read_json(str(tmp_path / "zero.json"))
     os.mkfifo(tmp_path / "fifo.json")
     with pytest.raises(UntrustedFile, match="not a regular file"):
         read_json(str(tmp_path / "fifo.json"))

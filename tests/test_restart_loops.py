@@ -147,6 +147,12 @@ def test_a_restored_state_an_object_refuses_stops_the_job_in_one_attempt(tmp_pat
       [(0, "exit code 1", "A")],
       [(0, "exit code 1", "A")],
       [(0, "exit code 1", "A"), (1, "signal SIGKILL", "")]], [False, False, False, False, True]),
+    # no message (no @record): the same only while some same rank fails each time
+    ([[(0, "exit code 1", ""), (1, "exit code 1", "")],
+      [(1, "exit code 1", "")],
+      [(1, "exit code 1", "")]], [False, False, True]),
+    ([[(0, "exit code 1", "")], [(1, "exit code 1", "")], [(0, "exit code 1", "")],
+      [(0, "exit code 1", "")]], [False, False, False, False]),
 ])
 def test_the_same_failure_is_counted_whichever_ranks_reported_it(attempts, stops):
     from ckptrun.agent.restart_loops import RestartLoops, signature

@@ -10,7 +10,10 @@ failures between which training advanced.
 agent stops the others, and whether one of them failed the same way first is a race --
 counted by the set of ranks, a load that every rank refused took six attempts to stop
 instead of three.  So attempts fail "the same way" while some (how, message) pair -- rank
-numbers in the message left out -- is among the failures of every one of them.
+numbers in the message left out -- is among the failures of every one of them: a pair with a
+message, or, where the workers left none (no ``@record``: every failure is "exit code 1"), one
+that some same rank reported in each attempt -- rank 0 failing one way and then rank 1 some
+other way are not the same failure.
 """
 
 from __future__ import annotations
@@ -32,13 +35,18 @@ class RestartLoops:
         self.limit = limit
         self.count = 0
         self._common: Optional[FrozenSet[Tuple[str, str]]] = None
+        self._ranks: FrozenSet[int] = frozenset()
 
     def failed(self, signature: Signature, progressed: bool) -> bool:
         """Record an attempt's failure; True when the job should stop instead of restarting."""
         kinds = frozenset((how, _without_numbers(msg)) for _, how, msg in signature)
+        ranks = frozenset(r for r, _, _ in signature)
         common = None if progressed or self._common is None else self._common & kinds
-        if not common:
-            self.count, common = 0, kinds
+        same = bool(common) and (any(msg for _, msg in common) or bool(ranks & self._ranks))
+        if not same:
+            self.count, common, self._ranks = 0, kinds, ranks
+        else:
+            self._ranks = self._ranks & ranks or ranks
         self._common = common
         self.count += 1
         return self.count >= self.limit

@@ -278,7 +278,7 @@ def parse_with(argv: List[str], add_options=None) -> Tuple[AgentConfig, argparse
         replication_rate=parse_replication_rate(ns.replication_rate),
         replication_budget=_replication_budget(ns.replication_budget),
         snapshot_every=_snapshot_every(ns.snapshot_every),
-        secret=_secret(ns, max_nodes), insecure=bool(ns.insecure),
+        secret=_secret(ns, max_nodes, endpoint), insecure=bool(ns.insecure),
         metrics_port=_metrics_port(ns.metrics_port), metrics_addr=ns.metrics_addr,
     )
     if max_nodes == 1 and cfg.replicas and ns.replicas not in (None, _OWN_DEFAULTS["replicas"]):
@@ -305,7 +305,7 @@ def _check_standby(cfg: AgentConfig) -> None:
                          f"torch's dynamic rendezvous), not {cfg.rdzv_backend}")
 
 
-def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:
+def _secret(ns: argparse.Namespace, max_nodes: int, endpoint: str) -> Optional[bytes]:
     """The job secret (``--secret-file``, ``CKPTRUN_SECRET``); several machines need one."""
     from ckptrun.protocol.job_secret import SecretError, job_secret, user_local_secret
 
@@ -313,7 +313,7 @@ def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:
         secret = job_secret(ns.secret_file, os.environ)
     except SecretError as e:
         raise UsageError(str(e)) from None
-    if secret is None and max_nodes > 1 and _loopback(ns.rdzv_endpoint):
+    if secret is None and max_nodes > 1 and not ns.insecure and _loopback(endpoint):
         # every agent of this job runs on this machine, as this user: they share a secret
         # of the user's own without being told (torchrun's `--nnodes 1:2` on localhost)
         try:
@@ -333,12 +333,12 @@ def _secret(ns: argparse.Namespace, max_nodes: int) -> Optional[bytes]:
 
 
 def _loopback(endpoint: Optional[str]) -> bool:
-    """Whether a rendezvous endpoint is this machine's loopback (``localhost``, 127.x, ::1):
-    then every agent that reaches it runs here."""
+    """Whether the job's resolved rendezvous endpoint (``--rdzv-endpoint``, or the static
+    backend's ``--master-addr:--master-port``) is this machine's loopback (``localhost``,
+    127.x, ::1): then every agent that reaches it runs here."""
     import ipaddress
 
-    # no endpoint: torch's rendezvous takes MASTER_ADDR, or localhost
-    host = (endpoint or os.environ.get("MASTER_ADDR") or "localhost").strip()
+    host = (endpoint or "").strip()
     if host.startswith("["):  # [::1]:29400
         host = host[1:].partition("]")[0]
     elif host.count(":") == 1:

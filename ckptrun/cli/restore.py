@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
+from ckptrun.protocol.untrusted import UntrustedFile
+
 Snapshot = Tuple[Dict[str, Any], list]
 
 
@@ -51,7 +53,13 @@ class Source:
             self.run_dir = find_run_dir(run_dir)
         except NoRunError as e:
             raise RestoreError(str(e)) from e
-        self.status = load_status(self.run_dir)
+        try:
+            self.status = load_status(self.run_dir)
+        except UntrustedFile as e:  # a run directory someone else wrote into
+            raise RestoreError(str(e)) from e
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise RestoreError(f"{self.run_dir}: status.json or events.jsonl is not what "
+                               f"ckptrun writes ({type(e).__name__}: {str(e)[:200]})") from e
         self.live = self.status.get("state") in LIVE_STATES
         if self.live:
             self.slots = {int(r): list(p) for r, p in (self.status.get("slots") or {}).items()}

@@ -32,6 +32,8 @@ HANDSHAKE_DEADLINE_S = 10.0  # for the whole handshake, however slowly its bytes
 REPORT_EVERY_S = 10.0  # at most one refusal line (and event) per listener per this long
 # accept() failures that mean "out of a resource for now" (descriptors, memory, buffers)
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+# ... and the ones that mean the listening socket itself is gone
+_CLOSED = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
 
 
 class Gate:
@@ -49,7 +51,7 @@ class Gate:
         self.report_every_s = REPORT_EVERY_S if report_every_s is None else report_every_s
         self._on_refused = on_refused
         self._lock = threading.Lock()
-        self._pending: Dict[int, Tuple[socket.socket, float]] = {}
+        self._pending: Dict[int, Tuple[socket.socket, float, str]] = {}
         self._last_report = -self.report_every_s
         self._quiet = 0
         self.refused = 0  # connections dropped to make room (over the cap)
@@ -69,17 +71,19 @@ class Gate:
         """Let ``conn`` start its handshake; where ``max_pending`` are already in theirs, the
         oldest of them is dropped (its socket shut down: its thread ends)."""
         with self._lock:
-            oldest = None
+            dropped = None
             if len(self._pending) >= self.max_pending:
                 key = min(self._pending, key=lambda k: self._pending[k][1])
-                oldest = self._pending.pop(key)[0]
-            self._pending[id(conn)] = (conn, time.monotonic() + self.deadline_s)
-        if oldest is not None:
-            self.refused += 1
-            with _quiet_os():
-                oldest.shutdown(socket.SHUT_RDWR)
-            self.report(peer, f"{self.max_pending} connections were in their handshake: the "
-                              "oldest was dropped")
+                dropped = self._pending.pop(key)
+                self.refused += 1
+                # shut down under the lock: a handshake done meanwhile (proven() waits for
+                # the lock) is never cut after it counted as proven
+                with _quiet_os():
+                    dropped[0].shutdown(socket.SHUT_RDWR)
+            self._pending[id(conn)] = (conn, time.monotonic() + self.deadline_s, peer)
+        if dropped is not None:
+            self.report(dropped[2], f"{self.max_pending} connections were in their handshake: "
+                                    "the oldest, this one, was dropped")
 
     def proven(self, conn: socket.socket) -> None:
         """``conn`` proved the key: no deadline, no place in the cap any more."""
@@ -109,14 +113,13 @@ class Gate:
     def _watch(self) -> None:
         while not self._closed.wait(min(0.5, self.deadline_s / 4)):
             now = time.monotonic()
-            with self._lock:
-                late = [(k, c) for k, (c, until) in self._pending.items() if until <= now]
-                for k, _ in late:
-                    del self._pending[k]
-            for _, conn in late:
-                self.expired += 1
-                with _quiet_os():  # wakes the thread blocked reading it
-                    conn.shutdown(socket.SHUT_RDWR)
+            with self._lock:  # (shut down under it: see admit)
+                late = [k for k, (_, until, _) in self._pending.items() if until <= now]
+                for k in late:
+                    conn = self._pending.pop(k)[0]
+                    self.expired += 1
+                    with _quiet_os():  # wakes the thread blocked reading it
+                        conn.shutdown(socket.SHUT_RDWR)
 
 
 class _quiet_os:
@@ -148,8 +151,10 @@ def accept_or_back_off(sock: socket.socket, name: str, stopped: threading.Event,
         try:
             got = sock.accept()
         except OSError as e:
-            if e.errno not in _EXHAUSTED:
+            if e.errno is None or e.errno in _CLOSED or stopped.is_set():
                 return None  # the listener was closed
+            if e.errno not in _EXHAUSTED:  # one connection's trouble (ECONNABORTED, EPROTO)
+                continue
             if not state.saying:
                 log.warning("%s: cannot accept connections for now (%s); retrying", name,
                             e.strerror)

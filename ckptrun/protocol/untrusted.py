@@ -3,8 +3,10 @@
 A run directory or a checkpoint directory may be one a user was pointed at, and anyone who
 can write there can put a symlink to ``/dev/zero`` or to another user's file, a FIFO that
 never answers, a file of gigabytes or JSON nested a million deep in place of what ckptrun
-wrote.  Every such read goes through here: the name is opened without following a symlink
-and without blocking (``O_NOFOLLOW | O_NONBLOCK``), what was opened must be a regular file,
+wrote.  Every such read goes through here: a symlink is followed only where it is the
+user's own (checkpoints assembled from links -- a hub snapshot, ``cp -s`` -- are theirs; a
+planted link is its planter's), the name is opened without blocking (``O_NONBLOCK``), what
+was opened must be a regular file,
 its size is checked against a bound before anything is read, and JSON is checked for depth
 before anyone walks it.  Anything else raises :class:`UntrustedFile` with a one-line message
 (the command line turns it into exit 2, a job into a fallback to the next tier).
@@ -30,15 +32,20 @@ class NotJSON(UntrustedFile):
 
 
 def open_regular(path: str, max_bytes: Optional[int] = None) -> Tuple[int, int]:
-    """``(fd, size)`` of the regular file at ``path`` (not through a symlink, never blocking),
-    refused past ``max_bytes``; ``FileNotFoundError`` where there is none.  The caller closes
-    ``fd``."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    """``(fd, size)`` of the regular file at ``path`` (through a symlink only of the user's
+    own, never blocking), refused past ``max_bytes``; ``FileNotFoundError`` where there is
+    none.  The caller closes ``fd``."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
+        link = os.lstat(path)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
+            raise UntrustedFile(f"{path} is a symbolic link of another user")
+        if not stat.S_ISLNK(link.st_mode):
+            flags |= os.O_NOFOLLOW  # (no link now: none may be swapped in before the open)
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UntrustedFile(f"{path} is a symbolic link, not a file ckptrun wrote") from None
+            raise UntrustedFile(f"{path} became a symbolic link while opened") from None
         if isinstance(e, FileNotFoundError):
             raise
         raise UntrustedFile(f"{path} cannot be opened ({e.strerror})") from None

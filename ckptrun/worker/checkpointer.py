@@ -75,16 +75,26 @@ def abandon_all() -> None:
 class RestoreFailed(RuntimeError):
     """``restore()`` found the state but a registered object refused it (its message names
     the entry, the rank and why); under the launcher the job stops instead of restarting
-    into the same refusal -- unless the refusal was a collective that failed (a peer gone
-    during the load), which a restart can fix."""
+    into the same refusal -- unless the failure was one a fresh process may not meet again
+    (:func:`_passing`)."""
 
 
-def _distributed_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch.distributed's (a collective, the store, the network)."""
-    import torch.distributed as dist
+def _passing(exc: BaseException) -> bool:
+    """Whether a failed load may go through in a restarted process: a collective or the
+    network failed (a peer gone during the load: torch.distributed's errors, or gloo's plain
+    RuntimeErrors about connections), or memory or the device ran out -- anywhere in the
+    exception's chain of causes."""
+    from ckptrun.worker.resilient import _from_communication
 
-    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if isinstance(k, type))
-    return bool(kinds) and isinstance(exc, kinds)
+    seen: set = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _from_communication(exc) or isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+            return True
+        if "cuda" in str(exc).lower() or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class Checkpointer:
@@ -541,7 +551,7 @@ class Checkpointer:
         try:
             S.load_into(target, restored, needs_live)
         except S.LoadFailed as exc:
-            if not _distributed_error(exc.cause):  # the same state would fail the same way
+            if not _passing(exc.cause):  # the same state would fail the same way
                 self._ctl("fatal", Fatal.RESTORE)
             raise RestoreFailed(f"ckptrun: rank {self.rank}: {exc}") from None
         for k, v in target.items():  # plain entries are replaced in the script's own dict

@@ -23,12 +23,24 @@ STEP = 7
 BIG = 200 << 20  # sparse: takes no disk, reads as zeros
 
 
+def _planted_link(target: str, path: str) -> None:
+    """A symlink of another user's (planted): never followed.  (A link of the user's own is
+    theirs to follow: see the last test.)"""
+    os.symlink(target, path)
+    if os.geteuid() == 0:
+        os.lchown(path, 65534, 65534)
+
+
 def _symlink_to_zero(path: str) -> None:
-    os.symlink("/dev/zero", path)
+    _planted_link("/dev/zero", path)
 
 
 def _symlink_to_a_file(path: str) -> None:
-    os.symlink("/etc/hostname", path)  # a readable file that is not the user's data
+    _planted_link("/etc/hostname", path)  # a readable file that is not the user's data
+
+
+def _own_symlink_to_zero(path: str) -> None:
+    os.symlink("/dev/zero", path)  # the user's own link, to a device: not a regular file
 
 
 def _fifo(path: str) -> None:
@@ -52,7 +64,8 @@ def _wrong_types(path: str) -> None:
 
 
 PLANTS = {"a symlink to /dev/zero": _symlink_to_zero, "a symlink to another file":
-          _symlink_to_a_file, "a FIFO": _fifo, "a 200 MB file": _huge,
+          _symlink_to_a_file, "an own symlink to /dev/zero": _own_symlink_to_zero,
+          "a FIFO": _fifo, "a 200 MB file": _huge,
           "JSON nested 100k deep": _deep, "JSON of the wrong types": _wrong_types}
 
 
@@ -101,13 +114,15 @@ def test_events_log_planted(tmp_path, plant):
     PLANTS[plant](os.path.join(d, "events.jsonl"))
     proc = run(["status", "--run-dir", d])
     one_line_or_fine(proc)
-    if plant in ("a symlink to /dev/zero", "a symlink to another file", "a FIFO"):
+    if plant in ("a symlink to /dev/zero", "a symlink to another file", "a FIFO",
+                 "an own symlink to /dev/zero"):
         assert proc.returncode == 2
 
 
 @pytest.mark.parametrize("target", ["ckptrun.json", "__0_0.distcp"])
 @pytest.mark.parametrize("plant", ["a symlink to /dev/zero", "a symlink to another file",
-                                   "a FIFO", "a 200 MB file", "JSON nested 100k deep"])
+                                   "an own symlink to /dev/zero", "a FIFO", "a 200 MB file",
+                                   "JSON nested 100k deep"])
 def test_a_checkpoint_file_planted(tmp_path, target, plant):
     url = str(tmp_path / "ck")
     storage.write_step(url, STEP, snapshots(STEP), world_size=2)
@@ -118,3 +133,18 @@ def test_a_checkpoint_file_planted(tmp_path, target, plant):
                 "--to", str(tmp_path / "out.pt"), "--format", "torch"])
     one_line_or_fine(proc)
     assert proc.returncode == 2 and not (tmp_path / "out.pt").exists(), proc.stderr
+
+
+def test_a_checkpoint_made_of_the_users_own_links_is_read(tmp_path):
+    """A step directory whose files are the user's own symlinks to the real ones (a hub
+    snapshot, ``cp -s``) restores as the files themselves would."""
+    url = str(tmp_path / "ck")
+    storage.write_step(url, STEP, snapshots(STEP), world_size=2)
+    real, linked = os.path.join(url, f"step-{STEP}"), tmp_path / "linked"
+    linked.mkdir()
+    for name in os.listdir(real):
+        os.symlink(os.path.join(real, name), linked / name)
+    proc = run(["restore", "--from", str(linked), "--to", str(tmp_path / "out.pt"),
+                "--format", "torch"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out.pt").exists()
