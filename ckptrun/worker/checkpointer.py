@@ -84,12 +84,12 @@ def _passing(exc: BaseException) -> bool:
     network failed (a peer gone during the load: torch.distributed's errors, or gloo's plain
     RuntimeErrors about connections), or memory or the device ran out -- anywhere in the
     exception's chain of causes."""
-    from ckptrun.worker.resilient import _from_communication
+    from ckptrun.worker.collectives import from_communication
 
     seen: set = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if _from_communication(exc) or isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        if from_communication(exc) or isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
             return True
         if "cuda" in str(exc).lower() or "out of memory" in str(exc).lower():
             return True

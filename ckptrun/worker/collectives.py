@@ -200,3 +200,17 @@ def forget_framework_groups() -> None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
     with contextlib.suppress(Exception):
         state.GradientState._reset_state()
+
+
+def from_communication(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a broken collective (gloo/NCCL, a closed connection)."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+    except ImportError:
+        pass
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "socket", "peer",
+                                   "process group", "processgroup", "timed out"))

@@ -42,6 +42,7 @@ from ckptrun.worker.collectives import (
     CollectiveBreaker,
     destroy_groups,
     forget_framework_groups,
+    from_communication,
     release_retired,
 )
 from ckptrun.worker.heartbeat import RecoveryRequested, recovery_target, worker_link
@@ -274,7 +275,7 @@ class _Watcher:
         when the agent asks for none in time."""
         if isinstance(exc, RecoveryRequested):
             return exc.attempt
-        wait = COMM_ERROR_WAIT_S if _from_communication(exc) else OTHER_ERROR_WAIT_S
+        wait = COMM_ERROR_WAIT_S if from_communication(exc) else OTHER_ERROR_WAIT_S
         deadline = time.monotonic() + wait
         while True:
             target = recovery_target(self.block, self.local_rank)
@@ -288,15 +289,3 @@ class _Watcher:
         self._stop.set()
 
 
-def _from_communication(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a broken collective (gloo/NCCL, a closed connection)."""
-    try:
-        import torch.distributed as dist
-
-        if isinstance(exc, getattr(dist, "DistError", ())):
-            return True
-    except ImportError:
-        pass
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(w in text for w in ("gloo", "nccl", "connection", "socket", "peer",
-                                   "process group", "processgroup", "timed out"))
