@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from ckptrun.protocol.control import Fatal
 from ckptrun.protocol.untrusted import MAX_JSON_DEPTH, depth, read_regular
+from ckptrun.protocol.untrusted import read_json as read_checked_json
 
 EVENTS_FILE = "events.jsonl"
 STATUS_FILE = "status.json"
@@ -283,9 +284,7 @@ def read_json(path: str) -> Optional[Any]:
     :class:`~ckptrun.protocol.untrusted.UntrustedFile` where it is not what ckptrun writes --
     such a file is replaced whole, never half written: a symlink, a FIFO, a device, over
     :data:`JSON_FILE_MAX_BYTES`, not JSON or nested deeper than ckptrun nests."""
-    from ckptrun.protocol.untrusted import read_json as read_checked
-
     try:
-        return read_checked(path, JSON_FILE_MAX_BYTES)
+        return read_checked_json(path, JSON_FILE_MAX_BYTES)
     except FileNotFoundError:
         return None

@@ -132,21 +132,12 @@ class _quiet_os:
         return kind is not None and issubclass(kind, OSError)
 
 
-class _Exhausted:
-    """The once-per-stretch report of an accept loop that ran out of a resource."""
-
-    def __init__(self) -> None:
-        self.saying = False
-
-
-def accept_or_back_off(sock: socket.socket, name: str, stopped: threading.Event,
-                       state: Optional[_Exhausted] = None
+def accept_or_back_off(sock: socket.socket, name: str, stopped: threading.Event
                        ) -> Optional[Tuple[socket.socket, tuple]]:
     """``sock.accept()``; where the process is out of descriptors or memory, say so once and
     retry after a pause (the connections that hold them time out meanwhile).  None once the
     listener is closed or ``stopped`` is set."""
-    state = state or _Exhausted()
-    pause = 0.05
+    pause, saying = 0.05, False
     while not stopped.is_set():
         try:
             got = sock.accept()
@@ -155,16 +146,15 @@ def accept_or_back_off(sock: socket.socket, name: str, stopped: threading.Event,
                 return None  # the listener was closed
             if e.errno not in _EXHAUSTED:  # one connection's trouble (ECONNABORTED, EPROTO)
                 continue
-            if not state.saying:
+            if not saying:
                 log.warning("%s: cannot accept connections for now (%s); retrying", name,
                             e.strerror)
-                state.saying = True
+                saying = True
             stopped.wait(pause)
             pause = min(1.0, pause * 2)
             continue
-        if state.saying:
+        if saying:
             log.warning("%s: accepting connections again", name)
-            state.saying = False
         return got
     return None
 
