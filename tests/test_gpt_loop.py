@@ -15,7 +15,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "gpt_train.py")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat(
+    "a users'-style GPT loop (prefetch, rank-0 eval, grad accumulation), 3 ranks, SIGKILL, bitwise")]
 
 
 def _run(tmp_path, name: str, *args: str) -> dict:
